@@ -1,0 +1,177 @@
+"""`simulate` and `eval`: the engine without a network."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from diloco_peer.cli.main import app, configure_logging
+from diloco_peer.config import RunSpec, SimSpec
+from diloco_peer.errors import BadInput
+
+_stderr = Console(stderr=True)
+
+
+def _progress_bar(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("local steps"),
+        TimeElapsedColumn(),
+        console=_stderr,
+        disable=not enabled,
+        transient=False,
+    )
+
+
+def _check_new_file(path: Path | None, overwrite: bool) -> None:
+    if path is None:
+        return
+    if path.exists() and not overwrite:
+        raise BadInput(f"{path} exists; pass --overwrite to replace it")
+    if path.parent and not path.parent.exists():
+        raise BadInput(f"folder of {path} does not exist")
+
+
+def _emit_json(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+
+
+@app.command()
+def simulate(
+    algo: str = typer.Option(
+        "sync", help="single|ddp|sync|async|async-poly|async-polythres|async-buffer|dn|dn-dylu"
+    ),
+    workers: int = typer.Option(4, help="Simulated workers (k)."),
+    total_steps: int = typer.Option(800, help="Budget of local steps summed over all workers."),
+    inner_steps: int = typer.Option(
+        50, "--inner-steps", "-H", help="H: inner steps per round (fastest worker under DyLU)."
+    ),
+    heterogeneity: str = typer.Option("none", help="Device speeds: none|slight|moderate|very."),
+    jitter: float = typer.Option(0.0, help="Per-step log-normal jitter of virtual step times."),
+    grace_s: float = typer.Option(0.0, help="Async grace period, virtual seconds."),
+    staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
+    drop_prob: float = typer.Option(
+        0.0, help="Sync: probability a contribution is lost (DiLoCo Fig. 8)."
+    ),
+    compute_schedule: str = typer.Option(
+        "constant", help="Sync: constant|doubling|halving|ramp-up|ramp-down."
+    ),
+    shards: str = typer.Option("iid", help="iid or non-iid (k-means on the model's features)."),
+    num_shards: int = typer.Option(0, help="Data shards; 0 = one per worker."),
+    outer_optimizer: str = typer.Option(
+        "nesterov", help="sgd|sgdm|nesterov|adam|delayed-nesterov (sync)."
+    ),
+    outer_lr: float = typer.Option(0.7, help="Outer learning rate."),
+    outer_momentum: float = typer.Option(0.9, help="Outer momentum."),
+    dn_buffer_size: int = typer.Option(0, help="Delayed Nesterov N; 0 = workers."),
+    dn_c: float = typer.Option(0.0, help="Delayed Nesterov leak c in [0, 1/N]."),
+    inner_lr: float = typer.Option(RunSpec.inner_lr, help="Peak AdamW learning rate."),
+    warmup_steps: int = typer.Option(RunSpec.warmup_steps, help="Warm-up steps of each schedule."),
+    batch_size: int = typer.Option(RunSpec.batch_size, help="Sequences per inner step."),
+    seq_len: int = typer.Option(RunSpec.seq_len, help="Tokens per sequence."),
+    pretrain_steps: int = typer.Option(0, help="Shared single-worker pretraining steps first."),
+    model: str = typer.Option("nano", help="Model preset: nano|tiny|20m|60m|150m|400m."),
+    data: str = typer.Option(
+        RunSpec.data, help="Data source (builtin:python-stdlib, path, hub name)."
+    ),
+    tokenizer: str = typer.Option(
+        RunSpec.tokenizer, help="bytes | tokenizer.json path | bpe:VOCAB."
+    ),
+    max_tokens: int = typer.Option(RunSpec.max_tokens, help="Corpus token cap (0 = none)."),
+    val_sequences: int = typer.Option(RunSpec.val_sequences, help="Held-out sequences for ppl."),
+    seed: int = typer.Option(0, help="Seed of everything."),
+    init: Path | None = typer.Option(None, help="Start from this checkpoint."),
+    save: Path | None = typer.Option(None, help="Write the final global model here (safetensors)."),
+    overwrite: bool = typer.Option(False, help="Allow --save to replace an existing file."),
+    eval_every: int = typer.Option(0, help="Evaluate every N local steps (0 = about 20 points)."),
+    threads: int = typer.Option(0, help="torch threads (0 = default)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Run DiLoCo / asynchronous Local-SGD in deterministic virtual time."""
+    configure_logging(verbose)
+    run = RunSpec(
+        model=model, data=data, tokenizer=tokenizer, max_tokens=max_tokens, seq_len=seq_len,
+        batch_size=batch_size, val_sequences=val_sequences, inner_lr=inner_lr,
+        warmup_steps=warmup_steps, inner_steps=inner_steps, outer_optimizer=outer_optimizer,
+        outer_lr=outer_lr, outer_momentum=outer_momentum, dn_buffer_size=dn_buffer_size,
+        dn_c=dn_c, shards=shards, num_shards=num_shards, seed=seed,
+    )  # fmt: skip
+    spec = SimSpec(
+        run=run, algo=algo, workers=workers, total_steps=total_steps, heterogeneity=heterogeneity,
+        jitter=jitter, grace_s=grace_s, staleness_threshold=staleness_threshold,
+        drop_prob=drop_prob, compute_schedule=compute_schedule, pretrain_steps=pretrain_steps,
+        init=str(init) if init else None, eval_every=eval_every, threads=threads,
+    )  # fmt: skip
+    _check_new_file(save, overwrite)
+
+    from diloco_peer.sim.simulator import Simulator  # heavy imports only when needed
+
+    with _progress_bar(enabled=_stderr.is_terminal or not json_out) as bar:
+        task = bar.add_task("preparing", total=None)
+        sim = Simulator(spec, on_progress=lambda done, total: bar.update(
+            task, completed=done, total=total, description=algo))  # fmt: skip
+        bar.update(task, description=algo, total=total_steps, completed=0)
+        result = sim.run()
+    if save is not None:
+        from diloco_peer.peer.checkpoint import save_model_checkpoint
+
+        save_model_checkpoint(
+            save, sim.model, run,
+            extra={"algo": algo, "final_ppl": result["final_ppl"], "local_steps": result["local_steps"]},
+        )  # fmt: skip
+    if json_out:
+        _emit_json(result)
+        return
+    typer.echo(
+        f"{algo}: ppl {result['initial_ppl']:.2f} -> {result['final_ppl']:.2f} after "
+        f"{result['local_steps']} local steps, {result['outer_updates']} outer updates, "
+        f"sim time {result['sim_time']:.1f}s"
+    )
+    if save is not None:
+        typer.echo(f"saved {save}")
+
+
+@app.command("eval")
+def eval_cmd(
+    checkpoint: Path = typer.Option(..., help="A safetensors checkpoint written by diloco-peer."),
+    data: str | None = typer.Option(None, help="Evaluate on this source instead of the run's."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+) -> None:
+    """Validation perplexity of a checkpoint."""
+    configure_logging()
+    from dataclasses import replace
+
+    from diloco_peer.peer.checkpoint import load_into_model, load_model_checkpoint
+    from diloco_peer.peer.data import build_dataset
+    from diloco_peer.peer.inner import evaluate_loss, perplexity
+    from diloco_peer.peer.model import build_model
+
+    ckpt = load_model_checkpoint(checkpoint)
+    run = replace(ckpt.run, data=data) if data else ckpt.run
+    dataset = build_dataset(
+        run.data, run.tokenizer, run.seq_len, run.val_sequences, run.max_tokens, run.seed
+    )
+    model = build_model(run.model, dataset.vocab_size, run.seed, max_seq_len=run.seq_len)
+    load_into_model(model, ckpt, checkpoint)
+    loss = evaluate_loss(model, dataset.val)
+    doc = {
+        "checkpoint": str(checkpoint),
+        "loss": loss,
+        "ppl": perplexity(loss),
+        "val_sequences": len(dataset.val),
+        "data": run.data,
+        "model": run.model,
+    }
+    if json_out:
+        _emit_json(doc)
+    else:
+        typer.echo(f"{checkpoint}: validation ppl {doc['ppl']:.3f} (loss {loss:.4f}) on {run.data}")

@@ -1,0 +1,177 @@
+"""Configuration as data.
+
+`RunSpec` describes one training run and is shared by every peer of a swarm (it becomes the signed
+run manifest). `SimSpec` adds what only the simulator needs. Every field is validated in
+`__post_init__`, which raises `ConfigError` with a readable message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from diloco_peer.errors import ConfigError
+
+MODEL_PRESETS = ("nano", "tiny", "20m", "60m", "150m", "400m")
+OUTER_OPTIMIZERS = ("sgd", "sgdm", "nesterov", "adam", "delayed-nesterov")
+SIM_ALGOS = (
+    "single",
+    "ddp",
+    "sync",
+    "async",
+    "async-poly",
+    "async-polythres",
+    "async-buffer",
+    "dn",
+    "dn-dylu",
+)
+HETEROGENEITY = ("none", "slight", "moderate", "very")
+COMPUTE_SCHEDULES = ("constant", "doubling", "halving", "ramp-up", "ramp-down")
+
+ShardMode = Literal["iid", "non-iid"]
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not value >= 0:
+        raise ConfigError(f"{name} must be >= 0, got {value}")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunSpec:
+    """One training run: model, data, inner and outer optimization. Identical on every peer."""
+
+    model: str = "tiny"
+    """Model preset, one of MODEL_PRESETS."""
+    data: str = "builtin:python-stdlib"
+    """Data source: `builtin:python-stdlib`, a local file or folder (txt/json/jsonl/parquet), or a
+    `datasets` hub name (optionally `hf:NAME[:CONFIG]`)."""
+    tokenizer: str = "bytes"
+    """`bytes` (vocab 256), a path to a `tokenizers` JSON file, or `bpe:VOCAB` trained on the data."""
+    max_tokens: int = 4_000_000
+    """Cap on corpus tokens read (keeps CPU runs fast); 0 means no cap."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    batch_size: int = 16
+    """Sequences per inner step (the run's batch). Peers accumulate micro-batches to reach it."""
+    val_sequences: int = 64
+    """Held-out sequences used for the validation perplexity."""
+    inner_lr: float = 2e-3
+    """Peak AdamW learning rate (ALGORITHMS §1)."""
+    inner_min_lr_ratio: float = 0.1
+    """eta_min / eta_max of the cosine schedule (ALGORITHMS §2.6); > 0 so learning never stops."""
+    warmup_steps: int = 50
+    """Linear warm-up steps of each shard's schedule."""
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    inner_steps: int = 50
+    """H: inner steps per round (the fastest peer's count under DyLU)."""
+    outer_optimizer: str = "nesterov"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    dn_buffer_size: int = 0
+    """N of Delayed Nesterov; 0 means the number of workers."""
+    dn_c: float = 0.0
+    """Leak c of Delayed Nesterov, in [0, 1/N]."""
+    shards: ShardMode = "iid"
+    num_shards: int = 0
+    """Number of data shards; 0 means one per worker."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("model preset", self.model, MODEL_PRESETS)
+        _choice("outer optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        _choice("shard mode", self.shards, ("iid", "non-iid"))
+        for name in ("seq_len", "batch_size", "val_sequences", "inner_lr", "inner_steps"):
+            _positive(name, getattr(self, name))
+        for name in ("max_tokens", "warmup_steps", "weight_decay", "grad_clip", "outer_lr"):
+            _non_negative(name, getattr(self, name))
+        for name in ("dn_buffer_size", "num_shards", "dn_c"):
+            _non_negative(name, getattr(self, name))
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not 0 < self.inner_min_lr_ratio <= 1:
+            raise ConfigError(
+                f"inner_min_lr_ratio must be in (0, 1], got {self.inner_min_lr_ratio}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RunSpec:
+        """Rebuild from `to_dict()` output; unknown or ill-typed fields raise ConfigError."""
+        if not isinstance(data, dict):
+            raise ConfigError("run config must be a JSON object")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown run config field(s): {', '.join(unknown)}")
+        for name, value in data.items():
+            default = getattr(cls(), name)
+            kind = float if isinstance(default, float) else type(default)
+            ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
+            if not ok or isinstance(value, bool) != isinstance(default, bool):
+                raise ConfigError(f"run config field {name} has the wrong type")
+        return cls(**data)
+
+
+@dataclass(kw_only=True, frozen=True)
+class SimSpec:
+    """A simulator run: the shared run plus the virtual swarm around it (ALGORITHMS §2.8)."""
+
+    run: RunSpec = field(default_factory=RunSpec)
+    algo: str = "sync"
+    """One of SIM_ALGOS."""
+    workers: int = 4
+    total_steps: int = 800
+    """Budget of local (inner) steps summed over all workers. `single` does this many steps;
+    `ddp` does total_steps / workers updates of a workers-times larger batch."""
+    heterogeneity: str = "none"
+    jitter: float = 0.0
+    """Std of the per-step multiplicative log-normal jitter of step times (seeded)."""
+    grace_s: float = 0.0
+    """Async grace period in virtual seconds (ALGORITHMS §2.4)."""
+    staleness_threshold: int = 10
+    """async-polythres drops contributions staler than this."""
+    drop_prob: float = 0.0
+    """Probability that a worker's contribution is lost in a sync round (DiLoCo Fig. 8)."""
+    compute_schedule: str = "constant"
+    """Active workers over the run in sync mode (DiLoCo Fig. 7)."""
+    pretrain_steps: int = 0
+    """Single-worker AdamW steps before the distributed phase (the papers' shared start)."""
+    init: str | None = None
+    """Safetensors checkpoint to start from instead of a fresh init (skips nothing else)."""
+    eval_every: int = 0
+    """Evaluate the global model every this many local steps of progress; 0 picks ~20 points."""
+    threads: int = 0
+    """torch intra-op threads; 0 leaves torch's default."""
+
+    def __post_init__(self) -> None:
+        _choice("algorithm", self.algo, SIM_ALGOS)
+        _choice("heterogeneity", self.heterogeneity, HETEROGENEITY)
+        _choice("compute schedule", self.compute_schedule, COMPUTE_SCHEDULES)
+        _positive("workers", self.workers)
+        _positive("total_steps", self.total_steps)
+        for name in ("jitter", "grace_s", "staleness_threshold", "pretrain_steps", "eval_every"):
+            _non_negative(name, getattr(self, name))
+        if not 0 <= self.drop_prob < 1:
+            raise ConfigError(f"drop_prob must be in [0, 1), got {self.drop_prob}")
+        if self.compute_schedule != "constant" and self.algo != "sync":
+            raise ConfigError("--compute-schedule other than 'constant' needs --algo sync")
+        if self.drop_prob > 0 and self.algo != "sync":
+            raise ConfigError("--drop-prob needs --algo sync")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

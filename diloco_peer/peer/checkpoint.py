@@ -1,0 +1,129 @@
+"""Model checkpoints: one safetensors file with the run config as JSON in its metadata.
+
+Nothing is unpickled. Writes are atomic (temp file in the same folder, fsync, rename), so a
+crash never leaves a half-written checkpoint under the real name. A SHA-256 of the tensor bytes
+is stored in the metadata and checked on load, so flipped bytes are detected, not trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from diloco_peer.config import RunSpec
+from diloco_peer.errors import CheckpointError, ConfigError
+
+FORMAT = "diloco-peer/model-v1"
+
+
+@dataclass(frozen=True)
+class ModelCheckpoint:
+    run: RunSpec
+    tensors: dict[str, torch.Tensor]
+    extra: dict[str, Any]
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over names, dtypes, shapes and bytes, in sorted name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call `write(tmp_path)` then rename onto `path`; the old file survives any failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_model_checkpoint(
+    path: str | Path, model: torch.nn.Module, run: RunSpec, extra: dict[str, Any] | None = None
+) -> None:
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    metadata = {
+        "format": FORMAT,
+        "run": json.dumps(run.to_dict(), sort_keys=True),
+        "extra": json.dumps(extra or {}, sort_keys=True),
+        "sha256": tensors_digest(tensors),
+    }
+    atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    """The safetensors header's metadata, read without trusting the rest of the file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"{path}: not a safetensors checkpoint (file too short)")
+            size = int.from_bytes(head, "little")
+            if size <= 0 or size > min(100_000_000, path.stat().st_size - 8):
+                raise CheckpointError(f"{path}: not a safetensors checkpoint (bad header size)")
+            header = json.loads(f.read(size))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint header ({e.__class__.__name__})"
+        ) from e
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path}: not a diloco-peer model checkpoint (format {FORMAT} expected)"
+        )
+    return meta
+
+
+def load_model_checkpoint(path: str | Path) -> ModelCheckpoint:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    meta = _read_metadata(path)
+    try:
+        run_dict = json.loads(meta["run"])
+        extra = json.loads(meta.get("extra", "{}"))
+        run = RunSpec.from_dict(run_dict)
+    except (KeyError, TypeError, json.JSONDecodeError, ConfigError) as e:
+        raise CheckpointError(f"{path}: malformed checkpoint metadata ({e})") from e
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: corrupted checkpoint ({str(e).splitlines()[0]})") from e
+    if tensors_digest(tensors) != meta.get("sha256"):
+        raise CheckpointError(f"{path}: checksum mismatch, the checkpoint is corrupted")
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"{path}: malformed checkpoint metadata (extra)")
+    return ModelCheckpoint(run=run, tensors=tensors, extra=extra)
+
+
+def load_into_model(model: torch.nn.Module, ckpt: ModelCheckpoint, path: str | Path) -> None:
+    """Copy checkpoint tensors into `model`; any name or shape mismatch is a CheckpointError."""
+    expected = model.state_dict()
+    if set(expected) != set(ckpt.tensors):
+        raise CheckpointError(f"{path}: checkpoint tensors do not match the model")
+    for name, t in ckpt.tensors.items():
+        if t.shape != expected[name].shape:
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {tuple(t.shape)}, "
+                f"model expects {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(ckpt.tensors)
