@@ -8,10 +8,19 @@ from __future__ import annotations
 import logging
 import sys
 
-import click
 import typer
 
+try:  # typer >= 0.28 ships its own copy of click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_exceptions  # type: ignore[no-redef]
+
 from diloco_peer.errors import BadInput
+
+# typer's own Exit/Abort and, where it has them, its click copy's; a tuple works for `except`.
+_EXITS = tuple({typer.Exit, getattr(click_exceptions, "Exit", typer.Exit)})
+_ABORTS = tuple({typer.Abort, getattr(click_exceptions, "Abort", typer.Abort)})
+_NO_ARGS = getattr(click_exceptions, "NoArgsIsHelpError", ())
 
 app = typer.Typer(
     name="diloco-peer",
@@ -46,19 +55,20 @@ def main(argv: list[str] | None = None) -> None:
     _register()
     try:
         app(args=argv, standalone_mode=False)
-    except click.exceptions.Exit as e:
+    except _EXITS as e:
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except _ABORTS:
         fail("interrupted", code=130)
-    except click.UsageError as e:
-        fail(e.format_message().splitlines()[0] if e.format_message() else str(e))
-    except click.ClickException as e:
+    except _NO_ARGS as e:
+        # Bare `diloco-peer`: the help text is the useful answer, but it is still not a command.
+        sys.stderr.write(e.format_message().strip() + "\n")
+        sys.exit(2)
+    except click_exceptions.UsageError as e:
+        message = e.format_message().strip()
+        fail(message.splitlines()[0] if message else "invalid usage; see --help")
+    except click_exceptions.ClickException as e:
         fail(e.format_message())
     except BadInput as e:
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted", code=130)
-
-
-if __name__ == "__main__":
-    main()

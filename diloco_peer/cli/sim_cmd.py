@@ -115,11 +115,10 @@ def simulate(
 
     from diloco_peer.sim.simulator import Simulator  # heavy imports only when needed
 
+    sim = Simulator(spec)  # builds data and model; bad input fails here, before any output
     with _progress_bar(enabled=_stderr.is_terminal or not json_out) as bar:
-        task = bar.add_task("preparing", total=None)
-        sim = Simulator(spec, on_progress=lambda done, total: bar.update(
-            task, completed=done, total=total, description=algo))  # fmt: skip
-        bar.update(task, description=algo, total=total_steps, completed=0)
+        task = bar.add_task(algo, total=total_steps)
+        sim.on_progress = lambda done, total: bar.update(task, completed=done, total=total)
         result = sim.run()
     if save is not None:
         from diloco_peer.peer.checkpoint import save_model_checkpoint
