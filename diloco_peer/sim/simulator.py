@@ -104,7 +104,9 @@ class Simulator:
         self.cosines: list[float] = []
         self.eval_every = spec.eval_every or max(1, spec.total_steps // 20)
         self._next_eval = self.eval_every
-        self.local_steps = 0  # local steps whose result has reached the global model
+        # Local steps spent so far (counted when their phase is delivered, even if its
+        # contribution is then dropped): the x axis of the curve and the budget.
+        self.local_steps = 0
         self.now = 0.0
 
     # ----- setup -----

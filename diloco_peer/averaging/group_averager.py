@@ -1,0 +1,360 @@
+"""GroupAverager: the front end that forms a group and all-reduces with it, for a training thread.
+
+    averager = GroupAverager(dht, "run1", compression="fp16")
+    averager.start()
+    averager.wait_until_ready(timeout_s=30)
+    result = averager.average(f"v{version}", deltas, weight=samples, gather=header,
+                              target_size=64, matchmaking_timeout_s=10, allreduce_timeout_s=60)
+    ...
+    averager.shutdown()
+
+`average` blocks the calling thread; the work runs in a background asyncio loop thread that owns
+a P2P replica of the DHT's daemon (same peer id), so the stream handlers keep serving other
+members between calls. Its outcomes (DESIGN.md §3, steps 4-5):
+
+- a `GroupResult`: every member holds the same `average` bits and the same member list;
+- `NoGroup`: nobody else came in time; a lone peer applies its own δ;
+- `AllReduceFailed`: a group was formed but did not finish; nothing is applied, δ is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind.dht import DHT, DHTNode
+from hivemind.p2p import P2P
+from multiaddr import Multiaddr
+from torch import Tensor
+
+from diloco_peer.averaging.allreduce import COMPRESSIONS, AllReduceFailed, Compression, PartExchange
+from diloco_peer.averaging.matchmaking import HANDLER_TIMEOUT_S, NoGroup, form_group
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+"""Prefixes and keys: no '.' (hivemind's group keys) and no '-' (our separator)."""
+_MAX_GATHER_BYTES = 64 * 1024
+_SETUP_TIMEOUT_S = 30.0
+"""Asking the DHT process for its daemon's address, and connecting a replica to it."""
+_SHUTDOWN_GRACE_S = 3.0
+"""How long shutdown lets answers to other members' parts finish being sent."""
+_CALL_SLACK_S = 5.0
+"""Backstop on top of a call's own timeouts, for the training thread's wait on the loop."""
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """One successful round, identical on every member."""
+
+    average: list[Tensor]
+    """Σ_j w_j δ_j / Σ_j w_j, same shapes as the input, fp32 on CPU, bit-identical on members."""
+    members: list[str]
+    """Sorted base58 peer ids."""
+    weights: dict[str, float]
+    """Each member's self-reported weight."""
+    gathered: dict[str, bytes]
+    """Each member's `gather` bytes (for signed contribution headers)."""
+    group_id: bytes
+    """hivemind's group id, chosen at random by the group's leader."""
+
+
+async def _daemon_listen_maddr(_dht: DHT, node: DHTNode) -> Multiaddr:
+    """Runs inside the DHT process: where its p2p daemon listens for clients."""
+    return node.p2p.daemon_listen_maddr
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return float(value)
+
+
+def _flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """One fp32 CPU vector, copied, so the training thread may change its tensors right after."""
+    if not tensors or not all(isinstance(t, Tensor) for t in tensors):
+        raise ValueError("tensors must be a non-empty list of torch.Tensor")
+    if not all(t.is_floating_point() for t in tensors):
+        raise ValueError("tensors must be floating point")
+    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+    if flat.numel() == 0:
+        raise ValueError("tensors hold no element")
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError("tensors hold NaN or inf: such a contribution must not be averaged")
+    return flat
+
+
+class GroupAverager:
+    """Forms groups of peers that call `average` with the same key, and all-reduces within them.
+
+    :param dht: a running hivemind DHT; its peer id is this averager's identity.
+    :param prefix: names this averager's streams and DHT keys; peers must use the same prefix.
+    :param compression: encoding of parts and averages on the wire: "none" (fp32) or "fp16".
+    :param on_group: called in the loop thread with (key, sorted members) once a group is
+        formed, before any part is sent. For metrics and for fault injection in tests
+        ("kill this peer right after it joined a group").
+    """
+
+    def __init__(
+        self,
+        dht: DHT,
+        prefix: str,
+        *,
+        compression: Compression = "none",
+        on_group: Callable[[str, list[str]], None] | None = None,
+    ) -> None:
+        if not _NAME.fullmatch(prefix):
+            raise ValueError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        self._dht, self._prefix, self._compression = dht, prefix, compression
+        self._on_group = on_group
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready: concurrent.futures.Future[None] | None = None
+        self._p2p: P2P | None = None
+        self._exchange: PartExchange | None = None
+        self._peer_id: str | None = None
+        self._lifecycle = threading.Lock()
+        self._busy = threading.Lock()  # one average() at a time
+        self._stopped = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the loop thread; it connects to the DHT's daemon and registers the handlers."""
+        with self._lifecycle:
+            if self._thread is not None or self._stopped:
+                raise RuntimeError("a GroupAverager can be started once")
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(
+                target=self._run_loop, name=f"GroupAverager-{self._prefix}", daemon=True
+            )
+            self._thread.start()
+            self._ready = asyncio.run_coroutine_threadsafe(self._setup(), self._loop)
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        """Block until the handlers are registered; re-raises what setup failed with."""
+        if self._ready is None:
+            raise RuntimeError("call start() before wait_until_ready()")
+        try:
+            self._ready.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            if self._ready.done():  # setup itself timed out
+                raise
+            raise TimeoutError(f"GroupAverager not ready within {timeout_s} s") from None
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's base58 id (known once ready)."""
+        if self._peer_id is None:
+            raise RuntimeError("GroupAverager is not ready")
+        return self._peer_id
+
+    def shutdown(self) -> None:
+        """Stop serving and join the loop thread. Idempotent; safe before start()."""
+        with self._lifecycle:
+            if self._stopped:
+                return
+            self._stopped = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        if loop.is_running():
+            teardown = asyncio.run_coroutine_threadsafe(self._teardown(), loop)
+            try:
+                teardown.result(timeout=_SHUTDOWN_GRACE_S + 2 * HANDLER_TIMEOUT_S)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
+                logger.warning("GroupAverager %s: teardown incomplete: %r", self._prefix, e)
+            loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=_SHUTDOWN_GRACE_S + HANDLER_TIMEOUT_S)
+        if thread.is_alive():
+            logger.warning("GroupAverager %s: loop thread did not stop", self._prefix)
+
+    def _run_loop(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:  # cancelled tasks end at once; the bound is for one that ignores it
+                loop.run_until_complete(asyncio.wait(pending, timeout=_SHUTDOWN_GRACE_S))
+            loop.close()
+
+    async def _setup(self) -> None:
+        maddr = await asyncio.wait_for(
+            self._dht.run_coroutine(_daemon_listen_maddr, return_future=True), _SETUP_TIMEOUT_S
+        )
+        # our own replica, not dht.replicate_p2p(): that one is cached per process and bound to
+        # whichever event loop first asked for it
+        self._p2p = await asyncio.wait_for(P2P.replicate(maddr), _SETUP_TIMEOUT_S)
+        self._exchange = PartExchange(self._p2p, self._prefix, self._compression)
+        await self._exchange.start(HANDLER_TIMEOUT_S)
+        self._peer_id = self._p2p.peer_id.to_base58()
+        logger.info("[%s] GroupAverager %s ready", self._peer_id[-6:], self._prefix)
+
+    async def _teardown(self) -> None:
+        if self._exchange is not None:
+            await self._exchange.stop(_SHUTDOWN_GRACE_S)
+        if self._p2p is not None:
+            await asyncio.wait_for(self._p2p.shutdown(), HANDLER_TIMEOUT_S)
+
+    # ------------------------------------------------------------------ rounds
+
+    def average(
+        self,
+        key: str,
+        tensors: list[Tensor],
+        *,
+        weight: float,
+        gather: bytes,
+        target_size: int,
+        matchmaking_timeout_s: float,
+        allreduce_timeout_s: float,
+    ) -> GroupResult:
+        """Form a group with the peers calling with the same `key`, then average with it.
+
+        The group closes once `target_size` members are in, or with whoever came (at least two)
+        when about `matchmaking_timeout_s` has passed. Returns in at most
+        matchmaking_timeout_s + allreduce_timeout_s (plus a few seconds of daemon calls).
+        Raises NoGroup if no other peer joined in time, AllReduceFailed if the group did not
+        complete its exchange (no partial result is ever returned), ValueError on bad input.
+        """
+        if not isinstance(key, str) or not _NAME.fullmatch(key):
+            raise ValueError(f"key must match {_NAME.pattern}, got {key!r}")
+        weight = _positive("weight", weight)
+        matchmaking_timeout_s = _positive("matchmaking_timeout_s", matchmaking_timeout_s)
+        allreduce_timeout_s = _positive("allreduce_timeout_s", allreduce_timeout_s)
+        if isinstance(target_size, bool) or not isinstance(target_size, int) or target_size < 2:
+            raise ValueError(f"target_size must be an integer >= 2, got {target_size!r}")
+        if not isinstance(gather, bytes) or len(gather) > _MAX_GATHER_BYTES:
+            raise ValueError(f"gather must be bytes of at most {_MAX_GATHER_BYTES}")
+        flat = _flatten(tensors)
+        shapes = [tuple(t.shape) for t in tensors]
+        loop, ready = self._loop, self._ready
+        if loop is None or ready is None or not ready.done() or ready.exception() is not None:
+            raise RuntimeError("GroupAverager is not ready: start() and wait_until_ready() first")
+        if self._stopped:
+            raise RuntimeError("GroupAverager is shut down")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("average() is already running on this GroupAverager")
+        try:
+            call = asyncio.run_coroutine_threadsafe(
+                self._average(
+                    key,
+                    flat,
+                    shapes,
+                    weight=weight,
+                    gather=gather,
+                    target_size=target_size,
+                    matchmaking_timeout_s=matchmaking_timeout_s,
+                    allreduce_timeout_s=allreduce_timeout_s,
+                ),
+                loop,
+            )
+            # the round bounds itself; this backstop adds the daemon calls' bounds and some slack
+            budget_s = matchmaking_timeout_s + allreduce_timeout_s
+            budget_s += 3 * HANDLER_TIMEOUT_S + _CALL_SLACK_S
+            try:
+                return call.result(timeout=budget_s)
+            except NoGroup as e:
+                logger.info("%s", e)
+                raise
+            except AllReduceFailed as e:
+                logger.warning("%s", e)
+                raise
+            except concurrent.futures.TimeoutError:
+                if call.done():  # raised inside the round: a timeout is a failed round
+                    raise AllReduceFailed(f"[{self.peer_id[-6:]} round={key}] timed out") from None
+                call.cancel()
+                raise AllReduceFailed(
+                    f"[{self.peer_id[-6:]} round={key}] did not finish within {budget_s:.1f} s"
+                ) from None
+            except concurrent.futures.CancelledError:
+                raise AllReduceFailed(f"round {key}: the averager was shut down") from None
+        finally:
+            self._busy.release()
+
+    async def _average(
+        self,
+        key: str,
+        flat: Tensor,
+        shapes: list[tuple[int, ...]],
+        *,
+        weight: float,
+        gather: bytes,
+        target_size: int,
+        matchmaking_timeout_s: float,
+        allreduce_timeout_s: float,
+    ) -> GroupResult:
+        p2p, exchange = self._p2p, self._exchange
+        if p2p is None or exchange is None:
+            raise RuntimeError("GroupAverager is not ready")
+        tag = f"[{self.peer_id[-6:]} round={key}]"
+        # peers whose tensors differ in layout or encoding must never meet: hivemind rejects a
+        # join request whose schema hash differs from the leader's
+        schema = f"{self._prefix}|{key}|{self._compression}|{shapes}".encode()
+        started = time.perf_counter()
+        exchange.open_key(key)
+        try:
+            group = await form_group(
+                dht=self._dht,
+                p2p=p2p,
+                namespace=f"{self._prefix}-{key}",
+                key=key,
+                schema_hash=hashlib.sha256(schema).digest(),
+                weight=weight,
+                gather=gather,
+                target_size=target_size,
+                matchmaking_timeout_s=matchmaking_timeout_s,
+            )
+        except BaseException:
+            exchange.close_key(key)  # in no group: others' parts naming this key are refused
+            raise
+        formed = time.perf_counter()
+        logger.info("%s group of %d formed in %.2f s", tag, len(group.members), formed - started)
+        if self._on_group is not None:
+            self._on_group(key, list(group.members))
+        average = await exchange.all_reduce(
+            key=key,
+            digest=group.digest,
+            members=group.members,
+            weights=group.weights,
+            flat=flat,
+            allreduce_timeout_s=allreduce_timeout_s,
+        )
+        logger.info(
+            "%s all-reduce of %d floats done in %.2f s",
+            tag,
+            average.numel(),
+            time.perf_counter() - formed,
+        )
+        sizes = [math.prod(shape) for shape in shapes]
+        return GroupResult(
+            average=[
+                part.view(shape) for part, shape in zip(average.split(sizes), shapes, strict=True)
+            ],
+            members=list(group.members),
+            weights=dict(zip(group.members, group.weights, strict=True)),
+            gathered=dict(zip(group.members, group.gathered, strict=True)),
+            group_id=group.group_id,
+        )
+
+
+__all__ = ["AllReduceFailed", "GroupAverager", "GroupResult", "NoGroup"]

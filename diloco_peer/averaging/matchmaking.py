@@ -1,0 +1,253 @@
+"""Group formation: hivemind's `Matchmaking`, used standalone, plus checks that every member agrees.
+
+hivemind's matchmaking (a leader collects followers through the DHT, then sends every follower
+the group id, the member list and each member's gathered bytes) is used as is, one `Matchmaking`
+per round key, so only peers calling with the same key ever meet. What this module adds:
+
+- the gathered bytes carry each member's averaging weight, in an envelope (`_GATHER_HEADER`);
+- the leader's answer is validated (no duplicates, I am in it, my own envelope came back intact,
+  every weight finite and positive), since a malformed or lying leader must not be trusted;
+- a digest binds key, group id, the sorted members, their weights and gathered bytes. Every part
+  header of the all-reduce carries it and every reducer compares it with its own, so a round only
+  completes if every pair of members saw the same group.
+
+hivemind details that shape the calls: `min_group_size=1` does not work (a lone peer is handled
+here: no follower by the deadline is `NoGroup`), `request_timeout` must stay below
+`min_matchmaking_time`, and the servicer's type hints must use `typing.AsyncIterator`, which
+`ServicerBase` reads to build the handler's protobuf types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import struct
+from dataclasses import dataclass
+from typing import AsyncIterator  # noqa: UP035  (ServicerBase needs typing's alias, see above)
+
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, ServicerBase
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_dht_time
+
+from diloco_peer.averaging.allreduce import AllReduceFailed
+from diloco_peer.errors import DilocoError
+
+logger = logging.getLogger(__name__)
+
+# magic, envelope version, weight; the caller's gather bytes follow
+_GATHER_HEADER = struct.Struct("<4sBd")
+_GATHER_MAGIC = b"DLCG"
+_GATHER_VERSION = 1
+_DIGEST_TAG = b"diloco_peer/group-v1"
+
+_MAX_REQUEST_TIMEOUT_S = 3.0
+"""hivemind's default `request_timeout`: how long to wait for a potential leader to answer."""
+_MAX_CLOSE_MARGIN_S = 1.0
+"""A leader closes its group this long (at most) before the matchmaking deadline, so followers
+hear BEGIN_ALLREDUCE before their own deadline rather than just after it."""
+HANDLER_TIMEOUT_S = 10.0
+"""Registering or removing a handler with the local p2p daemon."""
+
+
+class NoGroup(DilocoError):
+    """No group was formed: no other peer with this key joined in time, or matchmaking broke
+    down. Nothing was exchanged; a lone peer may apply its own δ (DESIGN.md §3, k = 1)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """A group every member has validated; `members` sorted by base58 peer id."""
+
+    key: str
+    group_id: bytes
+    """Chosen by hivemind's leader, random."""
+    members: tuple[str, ...]
+    weights: tuple[float, ...]
+    """Same order as `members`."""
+    gathered: tuple[bytes, ...]
+    """Each member's own `gather` bytes, same order as `members`."""
+    digest: bytes
+    """sha256 of everything above: equal on two members iff they saw the same group."""
+
+
+def pack_gather(weight: float, gather: bytes) -> bytes:
+    return _GATHER_HEADER.pack(_GATHER_MAGIC, _GATHER_VERSION, weight) + gather
+
+
+def unpack_gather(data: bytes) -> tuple[float, bytes]:
+    """(weight, gather) from an envelope; AllReduceFailed if it is not a valid one."""
+    if len(data) < _GATHER_HEADER.size:
+        raise AllReduceFailed(f"gathered data of {len(data)} bytes is too short")
+    magic, version, weight = _GATHER_HEADER.unpack_from(data)
+    if magic != _GATHER_MAGIC or version != _GATHER_VERSION:
+        raise AllReduceFailed(f"unknown gathered envelope {magic!r} v{version}")
+    if not (math.isfinite(weight) and weight > 0):
+        raise AllReduceFailed(f"weight {weight} is not finite and positive")
+    return weight, data[_GATHER_HEADER.size :]
+
+
+def group_digest(
+    key: str, group_id: bytes, members: tuple[str, ...], envelopes: tuple[bytes, ...]
+) -> bytes:
+    """Length-prefixed sha256 of the round's plan, so no two different plans share a digest."""
+    h = hashlib.sha256(_DIGEST_TAG)
+    for field in (key.encode(), group_id, *(m.encode() for m in members), *envelopes):
+        h.update(len(field).to_bytes(8, "big"))
+        h.update(field)
+    return h.digest()
+
+
+def validate_group(key: str, info: GroupInfo, me: str, my_envelope: bytes) -> Group:
+    """Turn hivemind's GroupInfo (the leader's word) into a checked, sorted `Group`.
+
+    The size is the leader's business: its target may differ from mine (in sync mode each peer
+    sets it from its own view of the live peers), so a group above my target is accepted.
+
+    Raises AllReduceFailed: a group was announced, so the other members will try to use it, but
+    this one is malformed and this peer takes no part in it.
+    """
+    peers = [p.to_base58() for p in info.peer_ids]
+    if len(set(peers)) != len(peers):
+        raise AllReduceFailed(f"[{me[-6:]} round={key}] the leader's group lists a peer twice")
+    if len(peers) < 2:
+        raise AllReduceFailed(f"[{me[-6:]} round={key}] the leader's group has one member")
+    if len(info.gathered) != len(peers) or me not in peers:
+        raise AllReduceFailed(f"[{me[-6:]} round={key}] the leader's group is malformed")
+    if not 1 <= len(info.group_id) <= 64:
+        raise AllReduceFailed(f"[{me[-6:]} round={key}] group id of {len(info.group_id)} bytes")
+    envelopes = dict(zip(peers, info.gathered, strict=True))
+    if envelopes[me] != my_envelope:
+        raise AllReduceFailed(f"[{me[-6:]} round={key}] the leader altered my gathered data")
+    members = tuple(sorted(peers))
+    ordered = tuple(envelopes[m] for m in members)
+    unpacked = [unpack_gather(e) for e in ordered]
+    return Group(
+        key=key,
+        group_id=info.group_id,
+        members=members,
+        weights=tuple(w for w, _ in unpacked),
+        gathered=tuple(g for _, g in unpacked),
+        digest=group_digest(key, info.group_id, members, ordered),
+    )
+
+
+class _JoinServicer(ServicerBase):
+    """Serves hivemind's `rpc_join_group` for the one `Matchmaking` of a round."""
+
+    def __init__(self) -> None:
+        self.matchmaking: Matchmaking | None = None
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self.matchmaking is None:
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for message in self.matchmaking.rpc_join_group(request, context):
+            yield message
+
+
+async def _release_waiters(matchmaking: Matchmaking | None) -> None:
+    """Let the waiter tasks a finished `Matchmaking` leaves behind complete.
+
+    hivemind's matchmaking waits on its events through `asyncio.create_task(event.wait())` and
+    never cancels those tasks; in its averager the object lives forever, but here one is dropped
+    per round, and its pending waiters would be garbage-collected while pending ("Task was
+    destroyed but it is pending!"). The round is over, so setting the events changes nothing.
+    """
+    if matchmaking is None:
+        return
+    leaders = matchmaking.potential_leaders
+    for event in (
+        matchmaking.was_accepted_to_group,
+        matchmaking.follower_was_discarded,
+        leaders.running,
+        leaders.update_triggered,
+        leaders.update_finished,
+        leaders.declared_expiration,
+    ):
+        event.set()
+    await asyncio.sleep(0)  # one loop turn: the woken waiters finish
+
+
+async def form_group(
+    *,
+    dht: DHT,
+    p2p: P2P,
+    namespace: str,
+    key: str,
+    schema_hash: bytes,
+    weight: float,
+    gather: bytes,
+    target_size: int,
+    matchmaking_timeout_s: float,
+) -> Group:
+    """Find peers that call with the same `namespace` (which encodes the key) and schema.
+
+    The group closes as soon as `target_size` members are in, or when the leader's time is up
+    (about `matchmaking_timeout_s` after it started) with at least two. Raises NoGroup if this
+    peer ends up in no group by `matchmaking_timeout_s`, AllReduceFailed if the leader's group
+    is malformed.
+    """
+    me = p2p.peer_id.to_base58()
+    tag = f"[{me[-6:]} round={key}]"
+    envelope = pack_gather(weight, gather)
+    # the leader's group closes `margin` before the deadline; a peer that arrives later than the
+    # leader has a later deadline, so it hears the leader's decision in time
+    margin_s = min(_MAX_CLOSE_MARGIN_S, 0.2 * matchmaking_timeout_s)
+    search_s = matchmaking_timeout_s - margin_s
+    servicer = _JoinServicer()
+    await asyncio.wait_for(servicer.add_p2p_handlers(p2p, namespace=namespace), HANDLER_TIMEOUT_S)
+    try:
+        servicer.matchmaking = Matchmaking(
+            p2p,
+            schema_hash,
+            dht,
+            servicer_type=_JoinServicer,
+            prefix=namespace,
+            target_group_size=target_size,
+            min_group_size=2,
+            min_matchmaking_time=search_s,
+            request_timeout=min(_MAX_REQUEST_TIMEOUT_S, 0.5 * search_s),
+            client_mode=False,
+        )
+        now = get_dht_time()
+        step = StepControl(
+            scheduled_time=now + search_s,
+            deadline=now + matchmaking_timeout_s,
+            allow_retries=False,
+            weight=weight,
+            data_for_gather=envelope,
+        )
+        # no separate trigger here: all-reduce starts as soon as the group is formed (an
+        # untriggered StepControl complains when garbage-collected)
+        step.attach(MPFuture(), MPFuture())
+        step.allow_allreduce()
+        try:
+            # look_for_group stops itself at the deadline; the bound here is a backstop
+            info = await asyncio.wait_for(
+                servicer.matchmaking.look_for_group(step), matchmaking_timeout_s + HANDLER_TIMEOUT_S
+            )
+        except asyncio.TimeoutError:
+            raise NoGroup(f"{tag} matchmaking overran {matchmaking_timeout_s} s") from None
+        except (P2PDaemonError, P2PHandlerError, OSError, AssertionError) as e:
+            # hivemind validates a leader's answer with assert: a lying leader ends up here
+            raise NoGroup(f"{tag} matchmaking failed: {type(e).__name__}: {e}") from None
+    finally:
+        await _release_waiters(servicer.matchmaking)
+        servicer.matchmaking = None
+        try:
+            await asyncio.wait_for(
+                servicer.remove_p2p_handlers(p2p, namespace=namespace), HANDLER_TIMEOUT_S
+            )
+        except (P2PDaemonError, OSError, asyncio.TimeoutError) as e:
+            logger.debug("%s removing matchmaking handlers failed: %r", tag, e)
+    if info is None:
+        raise NoGroup(f"{tag} no other peer joined within {matchmaking_timeout_s} s")
+    return validate_group(key, info, me, envelope)

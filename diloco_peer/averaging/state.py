@@ -1,0 +1,108 @@
+"""The replicated global state every peer holds, and its hash (DESIGN §3).
+
+Version v, θ_global (fp32, CPU), the outer optimizer's state, per-shard sample counters nᵢ and
+the manifest digest. Version v+1 is the outer step applied to version v with that version's
+group average and member count, always on CPU in fp32, so peers at one version hold the same
+bits and the same `state_hash`. Serialised as safetensors + JSON only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from diloco_peer.averaging.outer import OuterOptimizer
+from diloco_peer.errors import ConfigError
+
+
+class ReplicatedState:
+    def __init__(
+        self,
+        theta: Sequence[torch.Tensor],
+        outer: OuterOptimizer,
+        num_shards: int,
+        manifest_digest: str,
+        version: int = 0,
+    ) -> None:
+        self.theta = [t.detach().to("cpu", torch.float32).clone() for t in theta]
+        self.outer = outer
+        self.shard_samples = [0] * num_shards
+        self.manifest_digest = manifest_digest
+        self.version = version
+
+    def apply(
+        self,
+        average: Sequence[torch.Tensor],
+        count: int,
+        shard_samples: dict[int, int] | None = None,
+    ) -> None:
+        """One outer step with a group's average of `count` contributions: version v -> v+1."""
+        if count < 1:
+            raise ConfigError(f"a group has at least one member, got count={count}")
+        total = [a.to("cpu", torch.float32) * count for a in average]
+        with torch.no_grad():
+            self.outer.step(self.theta, total, count)
+        for shard, samples in (shard_samples or {}).items():
+            if not 0 <= shard < len(self.shard_samples) or samples < 0:
+                raise ConfigError(f"bad shard update {shard}: {samples}")
+            self.shard_samples[shard] += samples
+        self.version += 1
+
+    def hash(self) -> str:
+        """SHA-256 of everything replicated, in a fixed order."""
+        h = hashlib.sha256()
+        h.update(json.dumps(self._meta(), sort_keys=True).encode())
+        for name, t in sorted(self.tensors().items()):
+            t = t.detach().to("cpu").contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return h.hexdigest()
+
+    def _meta(self) -> dict[str, Any]:
+        outer = self.outer.state_dict()
+        return {
+            "version": self.version,
+            "manifest": self.manifest_digest,
+            "shard_samples": self.shard_samples,
+            "outer": {k: v for k, v in outer.items() if k != "tensors"},
+        }
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"theta.{i}": t for i, t in enumerate(self.theta)}
+        out.update({f"outer.{k}": v for k, v in self.outer.state_dict()["tensors"].items()})
+        return out
+
+    def metadata(self) -> dict[str, str]:
+        """JSON metadata to store beside `tensors()` (safetensors keeps str -> str)."""
+        return {"state": json.dumps(self._meta(), sort_keys=True), "state_hash": self.hash()}
+
+    def load(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+        """Replace this state by a serialised one; the result must hash as the metadata says."""
+        try:
+            meta = json.loads(metadata["state"])
+            version, digest = int(meta["version"]), str(meta["manifest"])
+            shard_samples = [int(x) for x in meta["shard_samples"]]
+            outer_meta = dict(meta["outer"])
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+            raise ConfigError(f"malformed state metadata ({e})") from e
+        if digest != self.manifest_digest:
+            raise ConfigError("state belongs to another run manifest")
+        if len(shard_samples) != len(self.shard_samples):
+            raise ConfigError("state has a different number of shards")
+        theta = [tensors.get(f"theta.{i}") for i in range(len(self.theta))]
+        for i, (new, old) in enumerate(zip(theta, self.theta, strict=True)):
+            if new is None or new.shape != old.shape or new.dtype != torch.float32:
+                raise ConfigError(f"state tensor theta.{i} is missing or has the wrong shape")
+        outer_tensors = {
+            k.removeprefix("outer."): v for k, v in tensors.items() if k.startswith("outer.")
+        }
+        self.outer.load_state_dict({**outer_meta, "tensors": outer_tensors})
+        self.theta = [t.clone() for t in theta]  # type: ignore[union-attr]
+        self.shard_samples = shard_samples
+        self.version = version
+        if self.hash() != metadata.get("state_hash"):
+            raise ConfigError("state does not match its advertised hash")

@@ -1,0 +1,369 @@
+"""The signed run manifest: what every peer of a swarm must agree on before training (DESIGN §4).
+
+A manifest names the run, the protocol version, the shared `RunSpec` and the swarm's round
+settings, and carries the owner's public key. The owner signs its canonical JSON bytes; a joiner
+refuses a manifest that does not verify, is for another run, or speaks another protocol version.
+The SHA-256 of the canonical bytes (`SignedManifest.digest`) enters the replicated state hash
+(DESIGN §3), so peers with different manifests can never agree on a state.
+
+Wire form, at most `MAX_MANIFEST_BYTES`:
+`{"manifest": "<canonical JSON as a string>", "signature": "<base64>"}`, where the canonical JSON
+is `json.dumps(..., sort_keys=True, separators=(",", ":"))` with the public key in base64.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+from diloco_peer.config import RunSpec
+from diloco_peer.errors import BadInput, ConfigError
+from diloco_peer.identity import Identity, IdentityError, peer_id_from_public_key, verify
+
+tomllib: ModuleType | None
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: no TOML reader in the standard library
+    tomllib = None
+
+PROTOCOL_VERSION = 1
+"""Bumped whenever peers of different builds could no longer train together."""
+MAX_MANIFEST_BYTES = 64 * 1024
+RUN_NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
+
+_RUN_NAME_RE = re.compile(RUN_NAME_PATTERN)
+# Prefixed to the canonical bytes before signing, so that a manifest signature can never be
+# replayed as a signature of some other message made with the same key (DHT records, headers).
+_SIGNING_CONTEXT = b"diloco-peer/manifest\x00"
+_MANIFEST_FIELDS = frozenset(
+    {"created", "owner_public_key", "protocol_version", "run", "run_name", "swarm"}
+)
+
+
+class ManifestError(BadInput):
+    """A run manifest is malformed, unsigned, for another run, or of another protocol version."""
+
+
+def check_run_name(name: object) -> str:
+    """The run name, or ManifestError. It prefixes DHT keys, so its alphabet is restricted."""
+    if not isinstance(name, str) or not _RUN_NAME_RE.fullmatch(name):
+        raise ManifestError(f"run name {name!r} must be 1 to 64 characters from A-Z a-z 0-9 _ . -")
+    return name
+
+
+def _finite(name: str, value: float, minimum: float, strict: bool) -> None:
+    ok = math.isfinite(value) and (value > minimum if strict else value >= minimum)
+    if not ok:
+        raise ConfigError(
+            f"{name} must be a finite number {'>' if strict else '>='} {minimum}, got {value}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmSettings:
+    """How the swarm runs its rounds (DESIGN §3). Shared by every peer through the manifest."""
+
+    protocol: Literal["sync", "async"] = "sync"
+    """`sync`: a round waits for every live peer (bounded by sync_timeout_s); `async`: a round
+    waits at most grace_s for others at the same version, then applies what it has."""
+    sync_timeout_s: float = 30.0
+    """Sync mode: longest wait for live peers to join a round's group."""
+    allreduce_timeout_s: float = 60.0
+    """Longest an all-reduce may take before the round fails and the peer keeps its delta."""
+    grace_s: float = 5.0
+    """Async mode: how long a ready peer waits for others to form a group."""
+    group_size: int = 64
+    """Target all-reduce group size; one group per version while the swarm fits in it."""
+    weighting: Literal["uniform", "samples"] = "uniform"
+    """Average the members' deltas uniformly or weighted by their (self-reported) samples."""
+    staleness_limit: int = 8
+    """A kept delta older than this many versions is dropped and counted, never applied."""
+    checkpoint_every: int = 5
+    """Write a local checkpoint every this many versions; 0 disables."""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("sync", "async"):
+            raise ConfigError(f"unknown swarm protocol {self.protocol!r}; choose sync or async")
+        if self.weighting not in ("uniform", "samples"):
+            raise ConfigError(f"unknown weighting {self.weighting!r}; choose uniform or samples")
+        _finite("sync_timeout_s", self.sync_timeout_s, 0, strict=True)
+        _finite("allreduce_timeout_s", self.allreduce_timeout_s, 0, strict=True)
+        _finite("grace_s", self.grace_s, 0, strict=False)
+        if self.group_size < 1:
+            raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
+        if self.staleness_limit < 0:
+            raise ConfigError(f"staleness_limit must be >= 0, got {self.staleness_limit}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SwarmSettings:
+        """Rebuild from `to_dict()` output; unknown or ill-typed fields raise ConfigError."""
+        if not isinstance(data, dict):
+            raise ConfigError("swarm settings must be a table / JSON object")
+        defaults = cls()
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown swarm setting(s): {', '.join(map(str, unknown))}")
+        for name, value in data.items():
+            default = getattr(defaults, name)
+            # bool is an int in Python, never a number here; an int is a fine float.
+            if isinstance(value, bool) or not (
+                isinstance(value, type(default))
+                or (isinstance(default, float) and isinstance(value, int))
+            ):
+                raise ConfigError(f"swarm setting {name} has the wrong type")
+        return cls(**data)
+
+
+def load_run_config(path: str | Path) -> tuple[RunSpec, SwarmSettings]:
+    """Read a TOML run config with optional tables `[run]` (RunSpec) and `[swarm]`."""
+    path = Path(path)
+    if tomllib is None:
+        raise ConfigError(f"{path}: reading a TOML run config needs Python 3.11 or newer")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"run config {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read run config {path}: {e}") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    unknown = sorted(set(doc) - {"run", "swarm"})
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown key(s) {', '.join(unknown)}; expected [run] and [swarm]"
+        )
+    try:
+        run = RunSpec.from_dict(doc.get("run", {}))
+        swarm = SwarmSettings.from_dict(doc.get("swarm", {}))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return run, swarm
+
+
+def _json_loads(data: bytes | str) -> Any:
+    """json.loads that refuses NaN/Infinity, which are not JSON and break equality."""
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not allowed")
+
+    return json.loads(data, parse_constant=no_constants)
+
+
+def _canonical_json(doc: Any) -> bytes:
+    try:
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        raise ManifestError("manifest values must be finite numbers") from None
+    return text.encode("ascii")  # ensure_ascii (the default) escapes everything else
+
+
+def _b64decode(text: Any, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise ManifestError(f"manifest {what} must be a base64 string")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ManifestError(f"manifest {what} is not valid base64") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The content the run owner signs."""
+
+    run_name: str
+    """Names the run; prefixes its DHT keys. Pattern RUN_NAME_PATTERN."""
+    protocol_version: int = PROTOCOL_VERSION
+    run: RunSpec
+    swarm: SwarmSettings
+    owner_public_key: bytes
+    """The owner's libp2p `PublicKey` protobuf (see identity.py)."""
+    created: float
+    """Unix time of creation; tells an owner's re-issued manifest from the older one."""
+
+    def __post_init__(self) -> None:
+        check_run_name(self.run_name)
+        if isinstance(self.protocol_version, bool) or not isinstance(self.protocol_version, int):
+            raise ManifestError("manifest protocol_version must be an integer")
+        if not isinstance(self.run, RunSpec) or not isinstance(self.swarm, SwarmSettings):
+            raise ManifestError("manifest run and swarm must be RunSpec and SwarmSettings")
+        if isinstance(self.created, bool) or not isinstance(self.created, (int, float)):
+            raise ManifestError("manifest created must be a number")
+        if not (math.isfinite(self.created) and self.created >= 0):
+            raise ManifestError(f"manifest created must be a finite time, got {self.created}")
+        try:
+            peer_id_from_public_key(self.owner_public_key)
+        except IdentityError as e:
+            raise ManifestError(f"manifest owner_public_key: {e}") from None
+
+    @classmethod
+    def create(
+        cls, run_name: str, run: RunSpec, swarm: SwarmSettings, owner: Identity
+    ) -> SignedManifest:
+        """A new manifest of this build's protocol version, signed by `owner`."""
+        manifest = cls(
+            run_name=run_name,
+            run=run,
+            swarm=swarm,
+            owner_public_key=owner.public_key,
+            created=time.time(),
+        )
+        return manifest.sign(owner)
+
+    def sign(self, owner: Identity) -> SignedManifest:
+        if owner.public_key != self.owner_public_key:
+            raise ManifestError("a manifest must be signed by the owner it names")
+        canonical = self.canonical_bytes()
+        return SignedManifest(
+            manifest=self, canonical=canonical, signature=owner.sign(_SIGNING_CONTEXT + canonical)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "created": self.created,
+            "owner_public_key": base64.b64encode(self.owner_public_key).decode("ascii"),
+            "protocol_version": self.protocol_version,
+            "run": self.run.to_dict(),
+            "run_name": self.run_name,
+            "swarm": self.swarm.to_dict(),
+        }
+
+    def canonical_bytes(self) -> bytes:
+        return _canonical_json(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Manifest:
+        """Rebuild from `to_dict()` output; anything else raises ManifestError."""
+        if not isinstance(data, dict):
+            raise ManifestError("manifest must be a JSON object")
+        missing = sorted(_MANIFEST_FIELDS - set(data))
+        unknown = sorted(set(data) - _MANIFEST_FIELDS)
+        if missing or unknown:
+            raise ManifestError(
+                f"manifest fields differ: missing {missing or 'none'}, unknown {unknown or 'none'}"
+            )
+        try:
+            run = RunSpec.from_dict(data["run"])
+            swarm = SwarmSettings.from_dict(data["swarm"])
+        except ConfigError as e:
+            raise ManifestError(f"manifest config: {e}") from None
+        return cls(
+            run_name=data["run_name"],
+            protocol_version=data["protocol_version"],
+            run=run,
+            swarm=swarm,
+            owner_public_key=_b64decode(data["owner_public_key"], "owner_public_key"),
+            created=data["created"],
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignedManifest:
+    """A manifest with its canonical bytes and the owner's signature of them.
+
+    Built only by `Manifest.sign`/`Manifest.create` or `from_bytes`; construction re-checks
+    that the bytes are the manifest's and that the signature verifies, so an instance is valid.
+    """
+
+    manifest: Manifest
+    canonical: bytes
+    signature: bytes
+
+    def __post_init__(self) -> None:
+        if self.manifest.canonical_bytes() != self.canonical:
+            raise ManifestError("manifest is not in canonical form")
+        if not verify(
+            self.manifest.owner_public_key, _SIGNING_CONTEXT + self.canonical, self.signature
+        ):
+            raise ManifestError("manifest signature does not verify with the owner's key")
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 (hex) of the canonical bytes: the manifest's part of the state hash."""
+        return hashlib.sha256(self.canonical).hexdigest()
+
+    @property
+    def owner_peer_id(self) -> str:
+        """The base58 peer id of the owner's key."""
+        return peer_id_from_public_key(self.manifest.owner_public_key)
+
+    def to_bytes(self) -> bytes:
+        envelope = {
+            "manifest": self.canonical.decode("ascii"),
+            "signature": base64.b64encode(self.signature).decode("ascii"),
+        }
+        data = _canonical_json(envelope)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed"
+            )
+        return data
+
+    @classmethod
+    def from_bytes(cls, data: bytes, expected_run: str | None = None) -> SignedManifest:
+        """Parse and check a manifest from the network or a file; ManifestError on any defect.
+
+        Checks, in order: size, envelope shape, protocol version (so a newer build's manifest
+        is named as such even if its shape changed), owner signature, fields, run name.
+        """
+        if not isinstance(data, (bytes, bytearray)):
+            raise ManifestError(f"manifest must be bytes, got {type(data).__name__}")
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed"
+            )
+        try:
+            envelope = _json_loads(bytes(data))
+        except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError included
+            raise ManifestError("manifest is not valid JSON") from None
+        if (
+            not isinstance(envelope, dict)
+            or set(envelope) != {"manifest", "signature"}
+            or not isinstance(envelope["manifest"], str)
+        ):
+            raise ManifestError(
+                'manifest must be a JSON object {"manifest": str, "signature": str}'
+            )
+        signature = _b64decode(envelope["signature"], "signature")
+        try:
+            canonical = envelope["manifest"].encode("ascii")
+            body = _json_loads(canonical)
+        except (ValueError, RecursionError):
+            raise ManifestError("manifest body is not valid canonical JSON") from None
+        if not isinstance(body, dict):
+            raise ManifestError("manifest body must be a JSON object")
+
+        version = body.get("protocol_version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ManifestError("manifest has no valid protocol_version")
+        if version != PROTOCOL_VERSION:
+            raise ManifestError(
+                f"manifest of protocol version {version}, this build speaks {PROTOCOL_VERSION}"
+            )
+        owner_key = _b64decode(body.get("owner_public_key"), "owner_public_key")
+        # Verify before interpreting anything else: unsigned content is never trusted.
+        if not verify(owner_key, _SIGNING_CONTEXT + canonical, signature):
+            raise ManifestError("manifest signature does not verify with the owner's key")
+
+        signed = cls(manifest=Manifest.from_dict(body), canonical=canonical, signature=signature)
+        if expected_run is not None and signed.manifest.run_name != expected_run:
+            raise ManifestError(
+                f"manifest is for run {signed.manifest.run_name!r}, expected {expected_run!r}"
+            )
+        return signed

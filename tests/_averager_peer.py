@@ -1,0 +1,152 @@
+"""One peer for tests/test_group_averager.py: a DHT, two GroupAverager instances, driven by stdin.
+
+    python tests/_averager_peer.py OUT_DIR
+
+Prints `@@ {json}` lines on stdout (anything else there is noise to skip); logs go to stderr.
+The first stdin line is {"op": "join", "initial_peers": [...]} (sent once a first peer is up, so
+every peer imports torch and hivemind meanwhile); the answer is {"op": "ready", "peer": ...,
+"maddrs": [...]}. Then one JSON command per stdin line, one answer each:
+
+    {"op": "average", "averager": "fp32"|"fp16", "key": "v0", "seed": 1, "scale": 0.25,
+     "shapes": [[3, 4], ...], "weight": 1.0, "target_size": 3, "matchmaking_timeout_s": 5,
+     "allreduce_timeout_s": 10, "die_after_group": false}
+        -> {"op": "average", "ok": true, "sha256": ..., "path": <safetensors file>, ...}
+           or {"op": "average", "ok": false, "error": "NoGroup"|"AllReduceFailed", ...}
+    {"op": "quit"}
+
+The contribution is `scale * randn(shape)` from a generator seeded with `seed`, so the test can
+recompute every member's input. `die_after_group` SIGKILLs this peer's whole process group
+(itself, its DHT process, its p2p daemon) right after it has joined a group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.dht import DHT
+from safetensors.torch import save_file
+
+from diloco_peer.averaging.allreduce import AllReduceFailed
+from diloco_peer.averaging.group_averager import GroupAverager
+from diloco_peer.averaging.matchmaking import NoGroup
+
+
+def emit(message: dict[str, Any]) -> None:
+    sys.stdout.write("@@ " + json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def contribution(seed: int, scale: float, shapes: list[list[int]]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) * scale for shape in shapes]
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def kill_myself(key: str, members: list[str]) -> None:
+    time.sleep(0.2)  # let the leader's answer reach every member: the group is formed for all
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def run_average(averagers: dict[str, GroupAverager], cmd: dict[str, Any], out: Path) -> None:
+    averager = averagers[cmd["averager"]]
+    tensors = contribution(cmd["seed"], cmd["scale"], cmd["shapes"])
+    started = time.perf_counter()
+    try:
+        result = averager.average(
+            cmd["key"],
+            tensors,
+            weight=cmd["weight"],
+            gather=f"seed={cmd['seed']}".encode(),
+            target_size=cmd["target_size"],
+            matchmaking_timeout_s=cmd["matchmaking_timeout_s"],
+            allreduce_timeout_s=cmd["allreduce_timeout_s"],
+        )
+    except (NoGroup, AllReduceFailed) as e:
+        emit(
+            {
+                "op": "average",
+                "ok": False,
+                "error": type(e).__name__,
+                "message": str(e),
+                "elapsed_s": time.perf_counter() - started,
+            }
+        )
+        return
+    elapsed_s = time.perf_counter() - started
+    path = out / f"{averager.peer_id}-{cmd['averager']}-{cmd['key']}.safetensors"
+    save_file({str(i): t.contiguous() for i, t in enumerate(result.average)}, str(path))
+    emit(
+        {
+            "op": "average",
+            "ok": True,
+            "elapsed_s": elapsed_s,
+            "sha256": digest(result.average),
+            "path": str(path),
+            "members": result.members,
+            "weights": result.weights,
+            "gathered": {k: v.decode() for k, v in result.gathered.items()},
+            "group_id": result.group_id.hex(),
+            "shapes": [list(t.shape) for t in result.average],
+            "dtypes": sorted({str(t.dtype) for t in result.average}),
+        }
+    )
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    join = json.loads(sys.stdin.readline() or "{}")
+    if join.get("op") != "join":
+        raise SystemExit(f"expected a join command first, got {join!r}")
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=join["initial_peers"])
+    averagers: dict[str, GroupAverager] = {}
+    try:
+        die = {"armed": False}
+
+        def on_group(key: str, members: list[str]) -> None:
+            if die["armed"]:
+                kill_myself(key, members)
+
+        averagers["fp32"] = GroupAverager(dht, "t32", on_group=on_group)
+        averagers["fp16"] = GroupAverager(dht, "t16", compression="fp16")
+        for averager in averagers.values():
+            averager.start()
+        for averager in averagers.values():
+            averager.wait_until_ready(timeout_s=30)
+        emit(
+            {
+                "op": "ready",
+                "peer": averagers["fp32"].peer_id,
+                "maddrs": [str(m) for m in dht.get_visible_maddrs()],
+            }
+        )
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            die["armed"] = bool(cmd.get("die_after_group", False))
+            run_average(averagers, cmd, out)
+    finally:
+        for averager in averagers.values():
+            averager.shutdown()
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,463 @@
+"""GroupAverager end to end: real peer processes on 127.0.0.1, plus unit tests of its pieces.
+
+Each peer is tests/_averager_peer.py in its own process group (its DHT process and p2p daemon
+included), driven by JSON lines on stdin; every group is SIGKILLed in `finally`, whatever the
+outcome. Contributions are `scale * randn` from per-peer seeds, so the true weighted mean is
+recomputed here and every member's result is compared with it and with the other members' bits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import PeerID
+from safetensors.torch import load_file
+
+from diloco_peer.averaging.allreduce import (
+    _PART_HEADER,
+    AllReduceFailed,
+    PartExchange,
+    _Round,
+    decode,
+    encode,
+    key_tag,
+    part_sizes,
+    reduce_part,
+)
+from diloco_peer.averaging.group_averager import GroupAverager
+from diloco_peer.averaging.matchmaking import group_digest, pack_gather, validate_group
+
+PEER_SCRIPT = Path(__file__).with_name("_averager_peer.py")
+SHAPES = [[300_000], [17, 33], [5], [2, 3, 4]]
+SCALE = 0.25  # pseudo-gradient-like values: |x| < 2, where fp16's rounding error stays < 1e-3
+READY_TIMEOUT_S = 60.0
+SLACK_S = 3.0
+
+
+# --------------------------------------------------------------------------- the peer processes
+
+
+class Peer:
+    """One peer process; its `@@` stdout lines are parsed by a reader thread into a queue."""
+
+    def __init__(self, out_dir: Path, index: int) -> None:
+        self.index = index
+        self.log_path = out_dir / f"peer{index}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER_SCRIPT), str(out_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            start_new_session=True,  # its own process group: killpg reaches DHT and p2pd too
+            text=True,
+        )
+        self.messages: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.peer_id = ""
+        self.maddrs: list[str] = []
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                self.messages.put(json.loads(line[3:]))
+
+    def send(self, command: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            return self.messages.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(
+                f"peer {self.index} sent nothing within {timeout_s} s "
+                f"(exit code {self.proc.poll()}); log tail:\n{self.log_tail()}"
+            ) from None
+
+    def join(self, initial_peers: list[str]) -> None:
+        self.send({"op": "join", "initial_peers": initial_peers})
+
+    def wait_ready(self) -> None:
+        ready = self.receive(READY_TIMEOUT_S)
+        assert ready["op"] == "ready", ready
+        self.peer_id, self.maddrs = ready["peer"], ready["maddrs"]
+
+    def log_tail(self, chars: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def close(self) -> None:
+        """Ask to quit, then SIGKILL the whole process group whatever happened."""
+        try:
+            if self.proc.poll() is None:
+                self.send({"op": "quit"})
+                self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # DHT process and p2pd may outlive the peer
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self._reader.join(timeout=5)
+        self._log.close()
+
+
+@contextmanager
+def swarm(out_dir: Path, size: int) -> Iterator[list[Peer]]:
+    """`size` ready peers; all of them killed on exit, even if starting them failed."""
+    peers: list[Peer] = []
+    try:
+        peers = [Peer(out_dir, i) for i in range(size)]  # all import torch + hivemind at once
+        peers[0].join([])
+        peers[0].wait_ready()
+        for peer in peers[1:]:
+            peer.join(peers[0].maddrs)
+        for peer in peers[1:]:
+            peer.wait_ready()
+        yield peers
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def average_command(key: str, seed: int, weight: float, **overrides: Any) -> dict[str, Any]:
+    command = {
+        "op": "average",
+        "averager": "fp32",
+        "key": key,
+        "seed": seed,
+        "scale": SCALE,
+        "shapes": SHAPES,
+        "weight": weight,
+        "target_size": 3,
+        "matchmaking_timeout_s": 10.0,
+        "allreduce_timeout_s": 20.0,
+        "die_after_group": False,
+    }
+    command.update(overrides)
+    return command
+
+
+def run_round(peers: list[Peer], commands: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Send each peer its command at once, then collect every answer."""
+    for peer, command in zip(peers, commands, strict=True):
+        peer.send(command)
+    budget_s = max(c["matchmaking_timeout_s"] + c["allreduce_timeout_s"] for c in commands) + 30
+    return [peer.receive(budget_s) for peer in peers]
+
+
+def contribution(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) * SCALE for shape in SHAPES]
+
+
+def true_mean(seeds: list[int], weights: list[float]) -> list[torch.Tensor]:
+    """Σ w_i x_i / Σ w_i in float64."""
+    inputs = [contribution(s) for s in seeds]
+    total = math.fsum(weights)
+    return [
+        sum(w * x[i].double() for w, x in zip(weights, inputs, strict=True)) / total
+        for i in range(len(SHAPES))
+    ]
+
+
+def check_round(
+    peers: list[Peer],
+    answers: list[dict[str, Any]],
+    seeds: list[int],
+    weights: list[float],
+    tolerance: float,
+) -> None:
+    """Every member succeeded with the same bits, equal to the true weighted mean."""
+    for answer, peer in zip(answers, peers, strict=True):
+        assert answer["ok"], f"peer {peer.index}: {answer}\n{peer.log_tail()}"
+    assert len({a["sha256"] for a in answers}) == 1, "members hold different bits"
+    assert len({a["group_id"] for a in answers}) == 1
+    ids = [p.peer_id for p in peers]
+    for answer in answers:
+        assert answer["members"] == sorted(ids)
+        assert answer["weights"] == dict(zip(ids, weights, strict=True))
+        assert answer["gathered"] == {i: f"seed={s}" for i, s in zip(ids, seeds, strict=True)}
+        assert answer["shapes"] == SHAPES and answer["dtypes"] == ["torch.float32"]
+    result = load_file(answers[0]["path"])
+    for i, expected in enumerate(true_mean(seeds, weights)):
+        error = (result[str(i)].double() - expected).abs().max().item()
+        assert error <= tolerance, f"tensor {i}: max error {error} > {tolerance}"
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Peer]]:
+    with swarm(tmp_path_factory.mktemp("trio"), 3) as peers:
+        yield peers
+
+
+# --------------------------------------------------------------------------- multi-peer tests
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(120)
+def test_three_peers_uneven_weights_two_consecutive_rounds(trio: list[Peer]) -> None:
+    for key, seeds, weights in (
+        ("v0", [1, 2, 3], [1.0, 2.0, 5.0]),
+        ("v1", [4, 5, 6], [3.0, 1.0, 0.5]),
+    ):
+        commands = [average_command(key, s, w) for s, w in zip(seeds, weights, strict=True)]
+        check_round(trio, run_round(trio, commands), seeds, weights, tolerance=1e-6)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(60)
+def test_three_peers_fp16(trio: list[Peer]) -> None:
+    seeds, weights = [7, 8, 9], [1.0, 1.0, 2.0]
+    commands = [
+        average_command("v0", s, w, averager="fp16") for s, w in zip(seeds, weights, strict=True)
+    ]
+    answers = run_round(trio, commands)
+    check_round(trio, answers, seeds, weights, tolerance=1e-3)
+    # fp16 really was used: the result differs from the fp32 mean by more than fp32 rounding
+    result = load_file(answers[0]["path"])
+    assert (result["0"].double() - true_mean(seeds, weights)[0]).abs().max().item() > 1e-6
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(60)
+def test_lone_key_gets_no_group_while_others_pair(trio: list[Peer]) -> None:
+    """Peer 0 alone under its key gets NoGroup in time; peers 1, 2 (another key, target 3)
+    close a group of two when their time is up: keys isolate groups."""
+    timeout_s = 3.0
+    commands = [
+        average_command("solo", 11, 1.0, matchmaking_timeout_s=timeout_s),
+        average_command("pair", 12, 1.0, matchmaking_timeout_s=timeout_s),
+        average_command("pair", 13, 3.0, matchmaking_timeout_s=timeout_s),
+    ]
+    lone, *pair = run_round(trio, commands)
+    assert not lone["ok"] and lone["error"] == "NoGroup", lone
+    assert lone["elapsed_s"] <= timeout_s + SLACK_S, lone
+    check_round(trio[1:], pair, [12, 13], [1.0, 3.0], tolerance=1e-6)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(120)
+def test_peer_killed_after_joining_fails_round_for_survivors(tmp_path: Path) -> None:
+    """SIGKILL of a member right after matchmaking: the survivors fail (or, had it died before
+    the group closed, average without it), within the timeouts, never half-averaged."""
+    matchmaking_s, allreduce_s = 10.0, 5.0
+    with swarm(tmp_path, 3) as peers:
+        seeds, weights = [21, 22, 23], [1.0, 2.0, 3.0]
+        commands = [
+            average_command(
+                "vk",
+                s,
+                w,
+                matchmaking_timeout_s=matchmaking_s,
+                allreduce_timeout_s=allreduce_s,
+                die_after_group=(i == 2),
+            )
+            for i, (s, w) in enumerate(zip(seeds, weights, strict=True))
+        ]
+        for peer, command in zip(peers, commands, strict=True):
+            peer.send(command)
+        survivors = [p.receive(matchmaking_s + allreduce_s + 30) for p in peers[:2]]
+        assert peers[2].proc.wait(timeout=10) == -signal.SIGKILL
+        for answer in survivors:
+            assert answer["elapsed_s"] <= matchmaking_s + allreduce_s + SLACK_S, answer
+            assert answer["ok"] or answer["error"] in ("AllReduceFailed", "NoGroup"), answer
+        if any(a["ok"] for a in survivors):  # a smaller group, formed before the victim joined
+            check_round(peers[:2], survivors, seeds[:2], weights[:2], tolerance=1e-6)
+
+
+# --------------------------------------------------------------------------- unit tests
+
+
+@pytest.mark.timeout(10)
+def test_reduce_part_is_the_weighted_mean() -> None:
+    parts = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0]), torch.tensor([0.0, -4.0])]
+    mean = reduce_part(parts, [1.0, 2.0, 1.0])
+    assert torch.allclose(mean, torch.tensor([7.0 / 4, 10.0 / 4]))
+    with pytest.raises(ValueError):
+        reduce_part(parts, [1.0])
+
+
+@pytest.mark.timeout(10)
+def test_part_sizes_match_tensor_split() -> None:
+    for numel, k in ((10, 3), (300_624, 3), (5, 5), (7, 2)):
+        sizes = part_sizes(numel, k)
+        assert sizes == [p.numel() for p in torch.tensor_split(torch.zeros(numel), k)]
+
+
+@pytest.mark.timeout(10)
+def test_encode_decode_round_trip() -> None:
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(decode(encode(x, "none"), 1001, "none"), x)
+    half = decode(encode(x, "fp16"), 1001, "fp16")
+    assert half.dtype == torch.float32 and torch.equal(half, x.half().float())
+    with pytest.raises(AllReduceFailed):
+        decode(encode(x, "none")[:-4], 1001, "none")
+
+
+@pytest.mark.timeout(10)
+def test_parts_for_a_key_this_peer_left_are_refused_at_once() -> None:
+    """A part that names a round this peer has not started waits for it, unless this peer's
+    matchmaking for that key is over (e.g. it got NoGroup while others counted it in)."""
+
+    async def scenario() -> None:
+        me = SimpleNamespace(peer_id=PeerID(b"\x05" * 34))
+        exchange = PartExchange(me, "t", "none")  # type: ignore[arg-type]
+        exchange.open_key("v0")
+        waiting = asyncio.ensure_future(exchange._find_round(b"d" * 32, key_tag("v0"), 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        exchange.close_key("v0")
+        with pytest.raises(AllReduceFailed, match="no such group"):
+            await asyncio.wait_for(waiting, 1.0)
+        with pytest.raises(AllReduceFailed, match="no such group"):
+            await asyncio.wait_for(exchange._find_round(b"e" * 32, key_tag("v0"), 5.0), 1.0)
+        exchange.open_key("v0")  # a retry under the same key: parts wait again (bounded)
+        with pytest.raises(AllReduceFailed, match="after 0.1 s"):
+            await exchange._find_round(b"e" * 32, key_tag("v0"), 0.1)
+
+    asyncio.run(scenario())
+
+
+def _part_stream(
+    digest: bytes, index: int, weight: float, values: list[float]
+) -> asyncio.StreamReader:
+    """What a sender writes for one part (round key "v0", fp32), as the reducer reads it."""
+    payload = encode(torch.tensor(values), "none")
+    header = _PART_HEADER.pack(
+        b"DLCP", 1, digest, key_tag("v0"), index, 0, weight, len(values), 5.0
+    )
+    reader = asyncio.StreamReader()
+    for frame in (header, payload):
+        reader.feed_data(len(frame).to_bytes(8, "big") + frame)
+    reader.feed_eof()
+    return reader
+
+
+@pytest.mark.timeout(10)
+def test_reducer_checks_every_part_against_the_agreed_group() -> None:
+    async def scenario() -> None:
+        members = sorted(PeerID(bytes([i]) * 34).to_base58() for i in (1, 2, 3))
+        me, one, two = members
+        outsider = PeerID(b"\x09" * 34).to_base58()
+        exchange = PartExchange(
+            SimpleNamespace(peer_id=PeerID.from_base58(me)),  # type: ignore[arg-type]
+            "t",
+            "none",
+        )
+        digest = b"d" * 32
+        rnd = _Round(
+            key="v0",
+            digest=digest,
+            members=members,
+            me=me,
+            weights=[1.0, 2.0, 3.0],
+            compression="none",
+            numel=9,  # parts of 3: I reduce part 0
+            timeout_s=5.0,
+        )
+        exchange._rounds[digest] = rnd
+        exchange.close_key("v0")
+        refused = [
+            (outsider, _part_stream(digest, 0, 1.0, [0.0] * 3), "not a member"),
+            (one, _part_stream(digest, 0, 9.0, [0.0] * 3), "weight"),
+            (one, _part_stream(digest, 1, 2.0, [0.0] * 3), "not part 1"),
+            (one, _part_stream(digest, 0, 2.0, [0.0] * 4), "elements"),
+            (one, _part_stream(b"x" * 32, 0, 2.0, [0.0] * 3), "no such group"),
+        ]
+        for sender, reader, reason in refused:
+            with pytest.raises(AllReduceFailed, match=reason):
+                await asyncio.wait_for(exchange._accept_part(sender, reader), 1.0)
+        rnd.claimed.add(me)
+        rnd.deliver(me, torch.full((3,), 1.0))
+        first = asyncio.ensure_future(
+            exchange._accept_part(one, _part_stream(digest, 0, 2.0, [2.0] * 3))
+        )
+        await asyncio.sleep(0.05)
+        with pytest.raises(AllReduceFailed, match="duplicate"):
+            await exchange._accept_part(one, _part_stream(digest, 0, 2.0, [5.0] * 3))
+        last = exchange._accept_part(two, _part_stream(digest, 0, 3.0, [4.0] * 3))
+        (_, for_one), (_, for_two) = await asyncio.wait_for(asyncio.gather(first, last), 1.0)
+        assert for_one == for_two  # the same bytes for every member
+        assert torch.allclose(decode(for_one, 3, "none"), torch.full((3,), 17.0 / 6))
+
+    asyncio.run(scenario())
+
+
+def _group_info(peers: list[PeerID], envelopes: list[bytes]) -> GroupInfo:
+    return GroupInfo(b"gid", tuple(peers), tuple(envelopes))
+
+
+@pytest.mark.timeout(10)
+def test_validate_group_sorts_and_rejects_bad_leaders() -> None:
+    a, b, c = (PeerID(bytes([i]) * 34) for i in (3, 1, 2))
+    envs = [pack_gather(w, f"g{w}".encode()) for w in (1.0, 2.0, 3.0)]
+    group = validate_group("v0", _group_info([a, b, c], envs), a.to_base58(), envs[0])
+    by_id = {
+        p.to_base58(): (w, e) for p, w, e in zip((a, b, c), (1.0, 2.0, 3.0), envs, strict=True)
+    }
+    assert list(group.members) == sorted(by_id)
+    assert list(group.weights) == [by_id[m][0] for m in group.members]
+    assert group.gathered[group.members.index(a.to_base58())] == b"g1.0"
+    # the digest binds the member list and every envelope
+    assert group.digest == group_digest(
+        "v0", b"gid", group.members, tuple(by_id[m][1] for m in group.members)
+    )
+    bad = [
+        (_group_info([a, b, b], envs), envs[0]),  # duplicate member
+        (_group_info([b, c], envs[1:]), envs[0]),  # I am not in it
+        (_group_info([a], envs[:1]), envs[0]),  # alone
+        (_group_info([a, b, c], envs), pack_gather(9.0, b"g1.0")),  # my envelope altered
+        (_group_info([a, b, c], [envs[0], b"junk", envs[2]]), envs[0]),  # malformed envelope
+        (_group_info([a, b, c], [envs[0], pack_gather(-1.0, b""), envs[2]]), envs[0]),
+    ]
+    for info, mine in bad:
+        with pytest.raises(AllReduceFailed):
+            validate_group("v0", info, a.to_base58(), mine)
+
+
+@pytest.mark.timeout(10)
+def test_bad_arguments_are_value_errors() -> None:
+    with pytest.raises(ValueError):
+        GroupAverager(None, "has.dot")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        GroupAverager(None, "ok", compression="int8")  # type: ignore[arg-type]
+    averager = GroupAverager(None, "ok")  # type: ignore[arg-type]
+    good = {"weight": 1.0, "gather": b"", "target_size": 2}
+    good |= {"matchmaking_timeout_s": 1.0, "allreduce_timeout_s": 1.0}
+    x = [torch.ones(3)]
+    for key, tensors, overrides in (
+        ("v-0", x, {}),
+        ("v0", [], {}),
+        ("v0", [torch.tensor([float("nan")])], {}),
+        ("v0", x, {"weight": 0.0}),
+        ("v0", x, {"target_size": 1}),
+        ("v0", x, {"allreduce_timeout_s": float("inf")}),
+    ):
+        with pytest.raises(ValueError):
+            averager.average(key, tensors, **(good | overrides))
+    with pytest.raises(RuntimeError):  # valid call, but never started
+        averager.average("v0", x, **good)
+    averager.shutdown()
+    averager.shutdown()  # idempotent
