@@ -175,3 +175,44 @@ class SimSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(kw_only=True, frozen=True)
+class PeerSpec:
+    """This machine only: how it joins and trains. Never part of the signed manifest."""
+
+    run_name: str = "default"
+    """Run to found or join (DHT keys are prefixed with it)."""
+    swarm: tuple[str, ...] = ()
+    """Multiaddrs of peers already in the swarm; empty founds a new swarm."""
+    config: str | None = None
+    """run.toml for a founding peer ([run] and [swarm] tables); None uses the built-in run."""
+    host: str = "0.0.0.0"
+    """Interface to listen on."""
+    port: int = 0
+    """TCP port; 0 picks a free one."""
+    announce: tuple[str, ...] = ()
+    """Multiaddrs others should dial (behind NAT or port forwarding)."""
+    identity: str | None = None
+    """Key file from `diloco-peer keygen`; None makes a throwaway identity."""
+    device: str = "auto"
+    micro_batch_size: int = 0
+    """Sequences per forward/backward; 0 means the run's batch (no accumulation)."""
+    checkpoint_dir: str | None = None
+    max_rounds: int = 0
+    """Stop after this many applied rounds; 0 runs until interrupted."""
+    until_version: int = 0
+    """Stop once the swarm state reaches this version; 0 means no such limit."""
+    log_json: str | None = None
+    """Append one JSON object per event to this file."""
+    data: str | None = None
+    """Train on this local data instead of the swarm's shards (consortium mode)."""
+    threads: int = 0
+    """torch intra-op threads; 0 leaves torch's default."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        for name in ("micro_batch_size", "max_rounds", "until_version", "threads"):
+            _non_negative(name, getattr(self, name))
+        _choice("device", self.device, ("auto", "cpu", "cuda"))

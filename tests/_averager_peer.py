@@ -1,4 +1,5 @@
-"""One peer for tests/test_group_averager.py: a DHT, two GroupAverager instances, driven by stdin.
+"""One peer for tests/test_group_averager.py: a DHT, one P2PService shared by two GroupAverager
+instances, driven by stdin.
 
     python tests/_averager_peer.py OUT_DIR
 
@@ -38,6 +39,7 @@ from safetensors.torch import save_file
 from diloco_peer.averaging.allreduce import AllReduceFailed
 from diloco_peer.averaging.group_averager import GroupAverager
 from diloco_peer.averaging.matchmaking import NoGroup
+from diloco_peer.p2p_service import P2PService
 
 
 def emit(message: dict[str, Any]) -> None:
@@ -115,16 +117,18 @@ def main() -> None:
     if join.get("op") != "join":
         raise SystemExit(f"expected a join command first, got {join!r}")
     dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=join["initial_peers"])
+    service = P2PService(dht)
     averagers: dict[str, GroupAverager] = {}
     try:
+        service.start()
         die = {"armed": False}
 
         def on_group(key: str, members: list[str]) -> None:
             if die["armed"]:
                 kill_myself(key, members)
 
-        averagers["fp32"] = GroupAverager(dht, "t32", on_group=on_group)
-        averagers["fp16"] = GroupAverager(dht, "t16", compression="fp16")
+        averagers["fp32"] = GroupAverager(service, "t32", on_group=on_group)
+        averagers["fp16"] = GroupAverager(service, "t16", compression="fp16")
         for averager in averagers.values():
             averager.start()
         for averager in averagers.values():
@@ -145,6 +149,7 @@ def main() -> None:
     finally:
         for averager in averagers.values():
             averager.shutdown()
+        service.shutdown()
         dht.shutdown()
 
 

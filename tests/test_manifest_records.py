@@ -579,10 +579,11 @@ def test_heads_are_readable_and_unforgeable(swarm: Swarm) -> None:
     forged = _head(id_a, 99, "f" * 64).to_record()
     # b claims a's peer id under b's own subkey: the DHT takes it (b signed it), readers drop it.
     assert b.store(key, forged, later, subkey=owner_subkey(id_b), return_future=True).result(10)
-    # b writes under a's subkey: b cannot sign for a, so no honest node stores it.
-    assert not b.store(key, forged, later, subkey=owner_subkey(id_a), return_future=True).result(10)
-    # m, a node without validators, writes under a's subkey: refused by every honest node.
-    assert not m.store(key, forged, later, subkey=owner_subkey(id_a), return_future=True).result(10)
+    # b, then m (a node without validators), write under a's subkey: neither can sign for a.
+    # Whether `store` reports success depends on which nodes the key lands on (a forger's own
+    # node may count); what must hold is that no honest reader ever returns the forgery.
+    b.store(key, forged, later, subkey=owner_subkey(id_a), return_future=True).result(10)
+    m.store(key, forged, later, subkey=owner_subkey(id_a), return_future=True).result(10)
     for reader in (a, b, c):
         assert read_heads(reader, RUN, timeout_s=10) == {id_a.peer_id_str: head_a}
 

@@ -1,15 +1,18 @@
 """GroupAverager: the front end that forms a group and all-reduces with it, for a training thread.
 
-    averager = GroupAverager(dht, "run1", compression="fp16")
+    service = P2PService(dht)        # one per process, shared with other components
+    service.start()
+    averager = GroupAverager(service, "run1", compression="fp16")
     averager.start()
-    averager.wait_until_ready(timeout_s=30)
+    averager.wait_until_ready(timeout_s=30)   # waits for the service too
     result = averager.average(f"v{version}", deltas, weight=samples, gather=header,
                               target_size=64, matchmaking_timeout_s=10, allreduce_timeout_s=60)
     ...
     averager.shutdown()
+    service.shutdown()
 
-`average` blocks the calling thread; the work runs in a background asyncio loop thread that owns
-a P2P replica of the DHT's daemon (same peer id), so the stream handlers keep serving other
+`average` blocks the calling thread; the work runs in the service's background asyncio loop, on
+its P2P replica of the DHT's daemon (same peer id), so the stream handlers keep serving other
 members between calls. Its outcomes (DESIGN.md §3, steps 4-5):
 
 - a `GroupResult`: every member holds the same `average` bits and the same member list;
@@ -27,25 +30,24 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from hivemind.dht import DHT, DHTNode
-from hivemind.p2p import P2P
-from multiaddr import Multiaddr
 from torch import Tensor
 
 from diloco_peer.averaging.allreduce import COMPRESSIONS, AllReduceFailed, Compression, PartExchange
 from diloco_peer.averaging.matchmaking import HANDLER_TIMEOUT_S, NoGroup, form_group
+from diloco_peer.p2p_service import P2PService, P2PServiceStopped
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 """Prefixes and keys: no '.' (hivemind's group keys) and no '-' (our separator)."""
 _MAX_GATHER_BYTES = 64 * 1024
-_SETUP_TIMEOUT_S = 30.0
-"""Asking the DHT process for its daemon's address, and connecting a replica to it."""
+_SETUP_TIMEOUT_S = 60.0
+"""Waiting for the service's replica (its own setup is bounded too), then for the handlers."""
 _SHUTDOWN_GRACE_S = 3.0
 """How long shutdown lets answers to other members' parts finish being sent."""
 _CALL_SLACK_S = 5.0
@@ -66,11 +68,6 @@ class GroupResult:
     """Each member's `gather` bytes (for signed contribution headers)."""
     group_id: bytes
     """hivemind's group id, chosen at random by the group's leader."""
-
-
-async def _daemon_listen_maddr(_dht: DHT, node: DHTNode) -> Multiaddr:
-    """Runs inside the DHT process: where its p2p daemon listens for clients."""
-    return node.p2p.daemon_listen_maddr
 
 
 def _positive(name: str, value: float) -> float:
@@ -98,7 +95,9 @@ def _flatten(tensors: Sequence[Tensor]) -> Tensor:
 class GroupAverager:
     """Forms groups of peers that call `average` with the same key, and all-reduces within them.
 
-    :param dht: a running hivemind DHT; its peer id is this averager's identity.
+    :param service: this process's P2PService, started before `start()` (not necessarily ready:
+        `wait_until_ready` waits for it too); its peer id is this averager's identity. Shut the
+        averager down before the service.
     :param prefix: names this averager's streams and DHT keys; peers must use the same prefix.
     :param compression: encoding of parts and averages on the wire: "none" (fp32) or "fp16".
     :param on_group: called in the loop thread with (key, sorted members) once a group is
@@ -108,7 +107,7 @@ class GroupAverager:
 
     def __init__(
         self,
-        dht: DHT,
+        service: P2PService,
         prefix: str,
         *,
         compression: Compression = "none",
@@ -118,31 +117,24 @@ class GroupAverager:
             raise ValueError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-        self._dht, self._prefix, self._compression = dht, prefix, compression
+        self._service, self._prefix, self._compression = service, prefix, compression
         self._on_group = on_group
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._ready: concurrent.futures.Future[None] | None = None
-        self._p2p: P2P | None = None
         self._exchange: PartExchange | None = None
         self._peer_id: str | None = None
         self._lifecycle = threading.Lock()
         self._busy = threading.Lock()  # one average() at a time
+        self._round: asyncio.Task[Any] | None = None  # in the loop: the running round
         self._stopped = False
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the loop thread; it connects to the DHT's daemon and registers the handlers."""
+        """Register the handlers on the service's loop, once its replica is connected."""
         with self._lifecycle:
-            if self._thread is not None or self._stopped:
+            if self._ready is not None or self._stopped:
                 raise RuntimeError("a GroupAverager can be started once")
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(
-                target=self._run_loop, name=f"GroupAverager-{self._prefix}", daemon=True
-            )
-            self._thread.start()
-            self._ready = asyncio.run_coroutine_threadsafe(self._setup(), self._loop)
+            self._ready = asyncio.run_coroutine_threadsafe(self._setup(), self._service.loop)
 
     def wait_until_ready(self, timeout_s: float) -> None:
         """Block until the handlers are registered; re-raises what setup failed with."""
@@ -154,6 +146,10 @@ class GroupAverager:
             if self._ready.done():  # setup itself timed out
                 raise
             raise TimeoutError(f"GroupAverager not ready within {timeout_s} s") from None
+        except concurrent.futures.CancelledError:
+            raise P2PServiceStopped(
+                "the P2P service shut down before the averager was ready"
+            ) from None
 
     @property
     def peer_id(self) -> str:
@@ -163,57 +159,32 @@ class GroupAverager:
         return self._peer_id
 
     def shutdown(self) -> None:
-        """Stop serving and join the loop thread. Idempotent; safe before start()."""
+        """Stop serving (the service keeps running). Idempotent; safe before start()."""
         with self._lifecycle:
             if self._stopped:
                 return
             self._stopped = True
-            loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
+            ready = self._ready
+        if ready is None or not self._service.is_running:
             return
-        if loop.is_running():
-            teardown = asyncio.run_coroutine_threadsafe(self._teardown(), loop)
-            try:
-                teardown.result(timeout=_SHUTDOWN_GRACE_S + 2 * HANDLER_TIMEOUT_S)
-            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
-                logger.warning("GroupAverager %s: teardown incomplete: %r", self._prefix, e)
-            loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=_SHUTDOWN_GRACE_S + HANDLER_TIMEOUT_S)
-        if thread.is_alive():
-            logger.warning("GroupAverager %s: loop thread did not stop", self._prefix)
-
-    def _run_loop(self) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        asyncio.set_event_loop(loop)
         try:
-            loop.run_forever()
-        finally:
-            pending = asyncio.all_tasks(loop)
-            for task in pending:
-                task.cancel()
-            if pending:  # cancelled tasks end at once; the bound is for one that ignores it
-                loop.run_until_complete(asyncio.wait(pending, timeout=_SHUTDOWN_GRACE_S))
-            loop.close()
+            self._service.run(self._teardown(), _SHUTDOWN_GRACE_S + 2 * HANDLER_TIMEOUT_S)
+        except (TimeoutError, P2PServiceStopped) as e:
+            logger.warning("GroupAverager %s: teardown incomplete: %r", self._prefix, e)
 
     async def _setup(self) -> None:
-        maddr = await asyncio.wait_for(
-            self._dht.run_coroutine(_daemon_listen_maddr, return_future=True), _SETUP_TIMEOUT_S
-        )
-        # our own replica, not dht.replicate_p2p(): that one is cached per process and bound to
-        # whichever event loop first asked for it
-        self._p2p = await asyncio.wait_for(P2P.replicate(maddr), _SETUP_TIMEOUT_S)
-        self._exchange = PartExchange(self._p2p, self._prefix, self._compression)
-        await self._exchange.start(HANDLER_TIMEOUT_S)
-        self._peer_id = self._p2p.peer_id.to_base58()
+        p2p = await self._service.ready(_SETUP_TIMEOUT_S)
+        exchange = PartExchange(p2p, self._prefix, self._compression)
+        await exchange.start(HANDLER_TIMEOUT_S)
+        self._exchange = exchange
+        self._peer_id = self._service.peer_id
         logger.info("[%s] GroupAverager %s ready", self._peer_id[-6:], self._prefix)
 
     async def _teardown(self) -> None:
+        if self._round is not None:  # a round in progress fails now instead of at its timeout
+            self._round.cancel()
         if self._exchange is not None:
             await self._exchange.stop(_SHUTDOWN_GRACE_S)
-        if self._p2p is not None:
-            await asyncio.wait_for(self._p2p.shutdown(), HANDLER_TIMEOUT_S)
 
     # ------------------------------------------------------------------ rounds
 
@@ -247,49 +218,51 @@ class GroupAverager:
             raise ValueError(f"gather must be bytes of at most {_MAX_GATHER_BYTES}")
         flat = _flatten(tensors)
         shapes = [tuple(t.shape) for t in tensors]
-        loop, ready = self._loop, self._ready
-        if loop is None or ready is None or not ready.done() or ready.exception() is not None:
+        ready = self._ready
+        if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
             raise RuntimeError("GroupAverager is not ready: start() and wait_until_ready() first")
         if self._stopped:
             raise RuntimeError("GroupAverager is shut down")
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("average() is already running on this GroupAverager")
+        tag = f"[{self.peer_id[-6:]} round={key}]"
+        # the round bounds itself; this backstop adds the daemon calls' bounds and some slack
+        budget_s = matchmaking_timeout_s + allreduce_timeout_s
+        budget_s += 3 * HANDLER_TIMEOUT_S + _CALL_SLACK_S
         try:
-            call = asyncio.run_coroutine_threadsafe(
-                self._average(
-                    key,
-                    flat,
-                    shapes,
-                    weight=weight,
-                    gather=gather,
-                    target_size=target_size,
-                    matchmaking_timeout_s=matchmaking_timeout_s,
-                    allreduce_timeout_s=allreduce_timeout_s,
-                ),
-                loop,
+            round_ = self._average(
+                key,
+                flat,
+                shapes,
+                weight=weight,
+                gather=gather,
+                target_size=target_size,
+                matchmaking_timeout_s=matchmaking_timeout_s,
+                allreduce_timeout_s=allreduce_timeout_s,
             )
-            # the round bounds itself; this backstop adds the daemon calls' bounds and some slack
-            budget_s = matchmaking_timeout_s + allreduce_timeout_s
-            budget_s += 3 * HANDLER_TIMEOUT_S + _CALL_SLACK_S
-            try:
-                return call.result(timeout=budget_s)
-            except NoGroup as e:
-                logger.info("%s", e)
-                raise
-            except AllReduceFailed as e:
-                logger.warning("%s", e)
-                raise
-            except concurrent.futures.TimeoutError:
-                if call.done():  # raised inside the round: a timeout is a failed round
-                    raise AllReduceFailed(f"[{self.peer_id[-6:]} round={key}] timed out") from None
-                call.cancel()
-                raise AllReduceFailed(
-                    f"[{self.peer_id[-6:]} round={key}] did not finish within {budget_s:.1f} s"
-                ) from None
-            except concurrent.futures.CancelledError:
-                raise AllReduceFailed(f"round {key}: the averager was shut down") from None
+            return self._service.run(self._tracked(round_), budget_s)
+        except NoGroup as e:
+            logger.info("%s", e)
+            raise
+        except AllReduceFailed as e:
+            logger.warning("%s", e)
+            raise
+        except TimeoutError as e:  # raised inside the round, or the backstop: a failed round
+            raise AllReduceFailed(
+                f"{tag} {str(e) or 'timed out'} (budget {budget_s:.1f} s)"
+            ) from None
+        except P2PServiceStopped:
+            raise AllReduceFailed(f"{tag} the averager or its P2P service was shut down") from None
         finally:
             self._busy.release()
+
+    async def _tracked(self, round_: Coroutine[Any, Any, GroupResult]) -> GroupResult:
+        """Runs a round as the task that shutdown() cancels."""
+        self._round = asyncio.current_task()
+        try:
+            return await round_
+        finally:
+            self._round = None
 
     async def _average(
         self,
@@ -303,8 +276,8 @@ class GroupAverager:
         matchmaking_timeout_s: float,
         allreduce_timeout_s: float,
     ) -> GroupResult:
-        p2p, exchange = self._p2p, self._exchange
-        if p2p is None or exchange is None:
+        p2p, exchange = self._service.p2p, self._exchange
+        if exchange is None:
             raise RuntimeError("GroupAverager is not ready")
         tag = f"[{self.peer_id[-6:]} round={key}]"
         # peers whose tensors differ in layout or encoding must never meet: hivemind rejects a
@@ -314,7 +287,7 @@ class GroupAverager:
         exchange.open_key(key)
         try:
             group = await form_group(
-                dht=self._dht,
+                dht=self._service.dht,
                 p2p=p2p,
                 namespace=f"{self._prefix}-{key}",
                 key=key,

@@ -1,0 +1,323 @@
+"""`join`, `demo` and `status`: the swarm from the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from diloco_peer.cli.main import app, configure_logging
+from diloco_peer.config import PeerSpec
+from diloco_peer.errors import BadInput
+
+_out = Console()
+_err = Console(stderr=True)
+
+
+@app.command()
+def join(
+    swarm: list[str] = typer.Option(
+        [], help="Multiaddr of a peer in the swarm (repeatable); none founds a new swarm."
+    ),
+    run: str = typer.Option("default", help="Run name to found or join."),
+    config: Path | None = typer.Option(None, help="run.toml ([run], [swarm]) when founding."),
+    model: str | None = typer.Option(None, help="Founding only: model preset of the built-in run."),
+    inner_steps: int | None = typer.Option(
+        None, "--inner-steps", "-H", help="Founding only: H of the built-in run."
+    ),
+    host: str = typer.Option("0.0.0.0", help="Interface to listen on."),
+    port: int = typer.Option(0, help="TCP port (0 = any free)."),
+    announce: list[str] = typer.Option([], help="Multiaddr others should dial (repeatable)."),
+    identity: Path | None = typer.Option(None, help="Key file from `diloco-peer keygen`."),
+    device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    batch_size: int = typer.Option(0, help="Micro-batch; gradients accumulate to the run's batch."),
+    checkpoint_dir: Path | None = typer.Option(None, help="Save and resume checkpoints here."),
+    max_rounds: int = typer.Option(0, help="Stop after this many rounds (0 = run until stopped)."),
+    until_version: int = typer.Option(
+        0, help="Stop once the swarm reaches this version (0 = never)."
+    ),
+    log_json: Path | None = typer.Option(None, help="Append JSON events here."),
+    data: str | None = typer.Option(None, help="Train on this local data (consortium mode)."),
+    threads: int = typer.Option(0, help="torch threads (0 = default)."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Join a swarm (or found one) and train with synchronous DiLoCo."""
+    configure_logging(verbose)
+    from diloco_peer.coordinator_free.manifest import load_run_config
+    from diloco_peer.peer.swarm_peer import SwarmPeer, default_run, install_signal_handlers
+
+    spec = PeerSpec(
+        run_name=run, swarm=tuple(swarm), config=str(config) if config else None, host=host,
+        port=port, announce=tuple(announce), identity=str(identity) if identity else None,
+        device=device, micro_batch_size=batch_size,
+        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, max_rounds=max_rounds,
+        until_version=until_version,
+        log_json=str(log_json) if log_json else None, data=data, threads=threads,
+    )  # fmt: skip
+    founding = None
+    if not swarm:
+        if config is not None:
+            run_spec, settings = load_run_config(config)
+        else:
+            run_spec, settings = default_run(model or "tiny")
+        overrides = {"model": model, "inner_steps": inner_steps}
+        run_spec = dataclasses.replace(run_spec, **{k: v for k, v in overrides.items() if v})
+        founding = (run_spec, settings)
+    elif model or inner_steps or config:
+        raise BadInput("--config, --model and --inner-steps only apply when founding a swarm")
+
+    progress = Progress(
+        TextColumn("[bold]v{task.fields[version]}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
+        console=_err, disable=quiet, transient=True,
+    )  # fmt: skip
+    task = progress.add_task("inner", total=None, version=0, loss="-")
+
+    def on_step(done: int, total: int, loss: float) -> None:
+        progress.update(task, completed=done, total=total, loss=f"{loss:.3f}")
+
+    def on_round(r: Any) -> None:
+        progress.update(task, version=r.version, completed=0)
+        ppl = f"{r.ppl:.2f}" if r.ppl is not None else "-"
+        _err.print(
+            f"round v{r.version}: group {r.group_size}, loss {r.loss:.3f}, held-out ppl {ppl}, "
+            f"comm {r.comm_s:.2f}s, ~{r.payload_bytes / 1e6:.1f} MB exchanged, "
+            f"state {r.state_hash[:12]}"
+        )
+
+    peer = SwarmPeer(spec, founding=founding, on_step=on_step, on_round=on_round)
+    install_signal_handlers(peer)
+    try:
+        peer.start()
+        addrs = " ".join(f"--swarm {m}" for m in peer.visible_maddrs())
+        _out.print(f"swarm address (pass to others): diloco-peer join {addrs}", soft_wrap=True)
+        sys.stdout.flush()
+        with progress:
+            peer.run_loop()
+    finally:
+        peer.shutdown()
+    _err.print(f"stopped at version {peer.state.version} after {peer.rounds_done} rounds")
+
+
+def _read_events(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    if not path.exists():
+        return [], offset
+    with open(path, encoding="utf-8") as f:
+        f.seek(offset)
+        chunk = f.read()
+    lines = chunk.split("\n")
+    complete, rest = lines[:-1], lines[-1]
+    events = []
+    for line in complete:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events, offset + len(chunk) - len(rest)
+
+
+@app.command()
+def demo(
+    peers: int = typer.Option(4, help="Peer processes to start on 127.0.0.1."),
+    rounds: int = typer.Option(3, help="Rounds each peer trains."),
+    model: str = typer.Option("tiny", help="Model preset of the built-in run."),
+    inner_steps: int = typer.Option(50, "--inner-steps", "-H", help="Inner steps per round."),
+    timeout_s: float = typer.Option(1800.0, help="Give up (and stop every peer) after this long."),
+    log_json: Path | None = typer.Option(None, help="Also write every peer's events here."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON summary on stdout."),
+) -> None:
+    """A local swarm of real peer processes training the built-in run, with a summary."""
+    configure_logging()
+    if peers < 1 or rounds < 1:
+        raise BadInput("--peers and --rounds must be >= 1")
+    workdir = Path(tempfile.mkdtemp(prefix="diloco-demo-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = [workdir / f"peer{i}.jsonl" for i in range(peers)]
+    threads = max(1, (os.cpu_count() or 2) // peers)
+    base = [sys.executable, "-m", "diloco_peer", "join", "--run", "demo", "--host", "127.0.0.1", "-v",
+            "--until-version", str(rounds), "--quiet", "--threads", str(threads)]  # fmt: skip
+    state: dict[str, dict[str, Any]] = {}
+    offsets = [0] * peers
+    started = time.time()
+
+    def poll() -> None:
+        for i, path in enumerate(logs):
+            events, offsets[i] = _read_events(path, offsets[i])
+            for ev in events:
+                row = state.setdefault(f"peer{i}", {"rounds": 0, "version": 0})
+                row["peer"] = ev.get("peer")
+                row["version"] = ev.get("version", row["version"])
+                row["state_hash"] = ev.get("state_hash", row.get("state_hash"))
+                if ev["event"] == "start":
+                    row["ppl_start"] = ev.get("ppl")
+                if ev["event"] == "round":
+                    row["rounds"] += 1
+                    row["loss"], row["ppl"] = ev.get("loss"), ev.get("ppl")
+                if ev["event"] == "catch_up":
+                    row["caught_up"] = row.get("caught_up", 0) + 1
+                if ev["event"] == "stop":
+                    row["stopped"] = True
+                if log_json is not None:
+                    with open(log_json, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(ev, sort_keys=True) + "\n")
+
+    def table() -> Table:
+        t = Table(title=f"diloco-peer demo: {peers} peers, {rounds} rounds, model {model}")
+        for col in ("peer", "id", "rounds", "version", "loss", "held-out ppl", "state"):
+            t.add_column(col)
+        for i in range(peers):
+            r = state.get(f"peer{i}", {})
+            t.add_row(
+                f"peer{i}", (r.get("peer") or "")[-8:], str(r.get("rounds", 0)),
+                str(r.get("version", "-")), f"{r['loss']:.3f}" if r.get("loss") else "-",
+                f"{r['ppl']:.2f}" if r.get("ppl") else "-", (r.get("state_hash") or "")[:12],
+            )  # fmt: skip
+        return t
+
+    try:
+        founder = [
+            *base,
+            "--model",
+            model,
+            "--inner-steps",
+            str(inner_steps),
+            "--log-json",
+            str(logs[0]),
+        ]
+        procs.append(subprocess.Popen(founder, stdout=subprocess.DEVNULL,
+                                      stderr=open(workdir / "peer0.err", "wb"),
+                                      start_new_session=True))  # fmt: skip
+        maddr = None
+        while maddr is None:
+            if time.time() - started > 120 or procs[0].poll() is not None:
+                raise RuntimeError("the founding peer did not start")
+            events, _ = _read_events(logs[0], 0)
+            for ev in events:
+                if ev["event"] == "start" and ev.get("maddrs"):
+                    maddr = ev["maddrs"][0]
+            time.sleep(0.2)
+        for i in range(1, peers):
+            cmd = [*base, "--swarm", maddr, "--log-json", str(logs[i])]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                          stderr=open(workdir / f"peer{i}.err", "wb"),
+                                          start_new_session=True))  # fmt: skip
+        with Live(table(), console=_err, refresh_per_second=2, transient=json_out) as live:
+            while any(p.poll() is None for p in procs):
+                if time.time() - started > timeout_s:
+                    raise RuntimeError(f"demo did not finish within {timeout_s:g} s")
+                poll()
+                live.update(table())
+                time.sleep(0.5)
+            poll()
+            live.update(table())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    p.wait(timeout=20)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    os.killpg(p.pid, signal.SIGKILL)
+    codes = [p.returncode for p in procs]
+    rows = [state.get(f"peer{i}", {}) for i in range(peers)]
+    final_version = max((r.get("version", 0) for r in rows), default=0)
+    at_final = {r.get("state_hash") for r in rows if r.get("version") == final_version}
+    ppl_after = next(
+        (r.get("ppl") for r in rows if r.get("version") == final_version and r.get("ppl")), None
+    )
+    summary = {
+        "peers": [
+            {"name": f"peer{i}", "peer_id": r.get("peer"), "rounds": r.get("rounds", 0),
+             "contributions": r.get("rounds", 0), "final_version": r.get("version"),
+             "state_hash": r.get("state_hash"), "exit_code": codes[i]}
+            for i, r in enumerate(rows)
+        ],
+        "final_version": final_version,
+        "hashes_agree": len(at_final) == 1 and all(r.get("version") == final_version for r in rows),
+        "ppl_before": rows[0].get("ppl_start") if rows else None,
+        "ppl_after": ppl_after,
+        "wall_s": time.time() - started,
+        "logs": str(workdir),
+    }  # fmt: skip
+    if json_out:
+        sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
+    else:
+        before, after = summary["ppl_before"], summary["ppl_after"]
+        _out.print(
+            f"swarm: version {final_version}, state hashes {'agree' if summary['hashes_agree'] else 'DIFFER'}, "
+            f"held-out ppl {before:.2f} -> {after:.2f}"
+            if before and after
+            else "swarm: no round completed"
+        )
+        _out.print(f"logs in {workdir}")
+    if any(c != 0 for c in codes):
+        raise typer.Exit(1)
+
+
+@app.command()
+def status(
+    swarm: list[str] = typer.Option(..., help="Multiaddr of a peer in the swarm (repeatable)."),
+    run: str = typer.Option("default", help="Run name."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+) -> None:
+    """Peers of a run: version, state hash, speed, last loss, last seen."""
+    configure_logging()
+    from hivemind.dht import DHT
+
+    from diloco_peer.coordinator_free import records
+    from diloco_peer.identity import Identity
+
+    ident = Identity.generate()
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "id.key"
+        key.write_bytes(ident.to_bytes())
+        try:
+            dht = DHT(
+                start=True, identity_path=str(key), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                initial_peers=swarm, client_mode=True,
+                record_validators=records.record_validators(ident, run), startup_timeout=30,
+            )  # fmt: skip
+        except Exception as e:
+            raise BadInput(f"cannot reach the swarm: {str(e).strip().splitlines()[-1]}") from None
+        try:
+            heads = records.read_heads(dht, run, timeout_s=10)
+        finally:
+            dht.shutdown()
+    now = time.time()
+    peers_doc = [
+        {"peer_id": h.peer_id, "version": h.version, "state_hash": h.state_hash,
+         "speed": h.speed, "loss": h.loss, "last_seen_s": now - h.updated, "in_group": h.in_group}
+        for h in sorted(heads.values(), key=lambda h: (-h.version, h.peer_id))
+    ]  # fmt: skip
+    head = max((h.version for h in heads.values()), default=None)
+    hashes_at: dict[int, set[str]] = {}
+    for h in heads.values():
+        hashes_at.setdefault(h.version, set()).add(h.state_hash)
+    forks = {str(v): sorted(s) for v, s in hashes_at.items() if len(s) > 1}
+    doc = {"run": run, "head_version": head, "peers": peers_doc, "forks": forks}
+    if json_out:
+        sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+        return
+    t = Table(title=f"run {run}: head version {head}")
+    for col in ("peer", "version", "state", "steps/s", "loss", "seen"):
+        t.add_column(col)
+    for p in peers_doc:
+        t.add_row(p["peer_id"][-10:], str(p["version"]), p["state_hash"][:12], f"{p['speed']:.2f}",
+                  f"{p['loss']:.3f}" if p["loss"] is not None else "-", f"{p['last_seen_s']:.0f}s ago")  # fmt: skip
+    _out.print(t)
+    if forks:
+        _out.print(f"forks: {forks}")

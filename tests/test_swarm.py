@@ -1,0 +1,176 @@
+"""Real peer processes on 127.0.0.1: the demo, joins, restarts, and bad input to `join`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PY = [sys.executable, "-m", "diloco_peer"]
+NANO = ["--model", "nano", "--inner-steps", "10"]
+
+
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+class Swarm:
+    """Peer processes started by a test; `close()` kills every one of them."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+        log = self.tmp / f"{name}.jsonl"
+        cmd = [*PY, "join", "--run", "t", "--host", "127.0.0.1", "--quiet", "--threads", "1",
+               "--log-json", str(log), *args]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{name}.err", "wb"),
+            start_new_session=True,
+        )  # fmt: skip
+        self.procs.append(proc)
+        return proc, log
+
+    def wait_event(self, log: Path, event: str, timeout_s: float, **match: object) -> dict:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            for ev in _events(log):
+                if ev["event"] == event and all(ev.get(k) == v for k, v in match.items()):
+                    return ev
+            time.sleep(0.2)
+        raise TimeoutError(f"no {event} {match} in {log} within {timeout_s}s")
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=10)
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(240)
+def test_demo_three_peers_agree_and_improve() -> None:
+    out = subprocess.run(
+        [*PY, "demo", "--peers", "3", "--rounds", "3", "--model", "nano", "--inner-steps", "20",
+         "--json", "--timeout-s", "200"],
+        capture_output=True, text=True, timeout=230,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    assert doc["hashes_agree"], doc
+    assert all(p["final_version"] == doc["final_version"] for p in doc["peers"])
+    assert doc["final_version"] >= 3
+    assert doc["ppl_after"] < doc["ppl_before"]
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(200)
+def test_late_joiner_downloads_verified_state_then_agrees(swarm: Swarm) -> None:
+    a, log_a = swarm.start("a", *NANO, "--max-rounds", "6")
+    start = swarm.wait_event(log_a, "start", 90)
+    swarm.wait_event(log_a, "round", 90, version=2)  # a alone: Lookahead rounds
+    b, log_b = swarm.start("b", "--swarm", start["maddrs"][0], "--max-rounds", "3")
+    caught = swarm.wait_event(log_b, "catch_up", 120)
+    assert caught["version"] >= 2
+    assert b.wait(timeout=150) == 0
+    assert a.wait(timeout=150) == 0
+    rounds_a = {e["version"]: e["state_hash"] for e in _events(log_a) if e["event"] == "round"}
+    rounds_b = {e["version"]: e["state_hash"] for e in _events(log_b) if e["event"] == "round"}
+    shared = set(rounds_a) & set(rounds_b)
+    assert shared, (rounds_a, rounds_b)
+    assert all(rounds_a[v] == rounds_b[v] for v in shared)
+    assert any(e["group_size"] == 2 for e in _events(log_b) if e["event"] == "round")
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(200)
+def test_restart_from_checkpoint_does_not_redo_rounds(swarm: Swarm, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    a, log_a = swarm.start("a", *NANO, "--checkpoint-dir", str(ckpt), "--max-rounds", "2")
+    assert a.wait(timeout=150) == 0
+    first = [e for e in _events(log_a) if e["event"] == "round"]
+    assert [e["version"] for e in first] == [1, 2]
+    # Same run, same checkpoint: it resumes at version 2 and continues to 4 (max-rounds counts
+    # rounds done in total, so two more).
+    a2, log_a2 = swarm.start("a2", *NANO, "--checkpoint-dir", str(ckpt), "--max-rounds", "4")
+    assert a2.wait(timeout=150) == 0
+    resumed = swarm.wait_event(log_a2, "resume", 5)
+    assert resumed["version"] == 2 and resumed["state_hash"] == first[-1]["state_hash"]
+    assert [e["version"] for e in _events(log_a2) if e["event"] == "round"] == [3, 4]
+
+
+def _join_fails(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*PY, "join", "--run", "t", "--host", "127.0.0.1", "--quiet", "--threads", "1", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(200)
+def test_bad_join_input_is_one_line_and_exit_2(tmp_path: Path, swarm: Swarm) -> None:
+    cases = [
+        ["--swarm", "not-a-multiaddr"],
+        ["--swarm", "/ip4/127.0.0.1/tcp/9/p2p/QmXjYsP9S8HxT5ZhGBXgoT2xpCs8cgaR4cvxcYXEqqv3Md"],
+        ["--checkpoint-dir", str(tmp_path / "file" / "sub")],
+    ]
+    (tmp_path / "file").write_text("a file where a folder should be")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cases.append(["--port", str(busy.getsockname()[1])])
+        for args in cases:
+            out = _join_fails(tmp_path, *NANO if "--swarm" not in args else (), *args)
+            lines = out.stderr.strip().splitlines()
+            assert out.returncode == 2, (args, out.stderr[-1500:])
+            assert len(lines) == 1 and lines[0].startswith("diloco-peer: error:"), (args, lines)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(200)
+def test_unknown_run_and_corrupt_checkpoint_exit_2(tmp_path: Path, swarm: Swarm) -> None:
+    a, log_a = swarm.start("a", *NANO, "--max-rounds", "50")
+    start = swarm.wait_event(log_a, "start", 90)
+    out = subprocess.run(
+        [*PY, "join", "--run", "other", "--host", "127.0.0.1", "--quiet", "--swarm", start["maddrs"][0]],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-1500:]
+    assert "no manifest" in out.stderr.lower() or "manifest" in out.stderr
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    bad = ckpt / "t.peer.safetensors"
+    bad.write_bytes(b"\x00" * 64)
+    out = _join_fails(tmp_path, "--swarm", start["maddrs"][0], "--checkpoint-dir", str(ckpt))
+    assert out.returncode == 2, out.stderr[-1500:]
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert bad.read_bytes() == b"\x00" * 64  # nothing overwritten
