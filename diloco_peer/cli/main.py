@@ -6,7 +6,12 @@ Error contract (DESIGN §6): bad input -> one line on stderr, exit 2; other fail
 from __future__ import annotations
 
 import logging
+import os
 import sys
+
+# hivemind logs at INFO to stderr by default; the CLI keeps stderr for its own lines (and
+# errors to exactly one line). Must be set before hivemind is first imported.
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 
 import typer
 
@@ -43,6 +48,7 @@ def configure_logging(verbose: bool = False) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.WARNING)
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -32,7 +32,7 @@ from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import PeerSpec, RunSpec
 from diloco_peer.coordinator_free import records
-from diloco_peer.coordinator_free.manifest import Manifest, SwarmSettings
+from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest, SwarmSettings
 from diloco_peer.coordinator_free.sampler import shard_probabilities
 from diloco_peer.coordinator_free.state_transfer import (
     StateBlob,
@@ -155,9 +155,11 @@ class SwarmPeer:
         except Exception as e:  # hivemind reports bad addresses and busy ports this way
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise BadInput(f"cannot start the peer's network node: {reason}") from None
+        resumed = self._checkpoint_manifest()
         if self.founding is not None:
             run, swarm = self.founding
-            self.signed = Manifest.create(run_name, run, swarm, self.identity)
+            # A restarted founder keeps its run: the manifest it signed is in its checkpoint.
+            self.signed = resumed or Manifest.create(run_name, run, swarm, self.identity)
             records.publish_manifest(
                 self.dht, self.identity, self.signed, expiration_s=HEAD_TTL_S * 10,
                 timeout_s=DHT_TIMEOUT_S,
@@ -304,6 +306,23 @@ class SwarmPeer:
             return True
         return False
 
+    def _checkpoint_manifest(self) -> SignedManifest | None:
+        """The manifest stored in this peer's checkpoint, if there is a readable one."""
+        path = self._checkpoint_path()
+        if path is None or not path.is_file():
+            return None
+        try:
+            with open(path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                if not 0 < header_len < 100_000_000:
+                    return None
+                meta = json.loads(f.read(header_len)).get("__metadata__", {})
+            return SignedManifest.from_bytes(
+                meta["manifest_bytes"].encode(), expected_run=self.spec.run_name
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, DilocoError):
+            return None  # _resume() reports an unusable checkpoint with a clear error
+
     def _checkpoint_path(self) -> Path | None:
         if not self.spec.checkpoint_dir:
             return None
@@ -331,6 +350,7 @@ class SwarmPeer:
         meta = {
             "format": CHECKPOINT_FORMAT,
             "manifest": self.signed.digest,
+            "manifest_bytes": self.signed.to_bytes().decode(),
             "peer": self.peer_id,
             "rounds_done": str(self.rounds_done),
             "streams": json.dumps([s.state_dict() for s in self.streams]),
