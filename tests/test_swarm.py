@@ -37,13 +37,15 @@ class Swarm:
         self.tmp = tmp
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    def start(
+        self, name: str, *args: str, env: dict[str, str] | None = None
+    ) -> tuple[subprocess.Popen[bytes], Path]:
         log = self.tmp / f"{name}.jsonl"
         cmd = [*PY, "join", "--run", "t", "--host", "127.0.0.1", "--quiet", "--threads", "1",
                "--log-json", str(log), *args]  # fmt: skip
         proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{name}.err", "wb"),
-            start_new_session=True,
+            start_new_session=True, env={**os.environ, **(env or {})},
         )  # fmt: skip
         self.procs.append(proc)
         return proc, log
@@ -174,3 +176,51 @@ def test_unknown_run_and_corrupt_checkpoint_exit_2(tmp_path: Path, swarm: Swarm)
     assert out.returncode == 2, out.stderr[-1500:]
     assert len(out.stderr.strip().splitlines()) == 1
     assert bad.read_bytes() == b"\x00" * 64  # nothing overwritten
+
+
+FAST_RUN = """
+[run]
+model = "nano"
+inner_steps = 10
+warmup_steps = 5
+num_shards = 8
+
+[swarm]
+sync_timeout_s = 6.0
+allreduce_timeout_s = 6.0
+"""
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(300)
+def test_killed_peers_cost_survivors_at_most_a_timed_out_round(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(FAST_RUN)
+    until = ["--until-version", "14"]
+    a, log_a = swarm.start("a", "--config", str(cfg), *until)
+    maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
+    b, log_b = swarm.start("b", "--swarm", maddr, *until)
+    c, log_c = swarm.start("c", "--swarm", maddr, *until)
+    # d kills itself (SIGKILL) right after joining its second group: during an all-reduce.
+    d, log_d = swarm.start("d", "--swarm", maddr, *until, env={"DILOCO_PEER_KILL_IN_GROUP": "2"})
+    # c is killed by us while it trains, after its second applied round.
+    first = swarm.wait_event(log_c, "round", 150)
+    swarm.wait_event(log_c, "round", 60, version=first["version"] + 1)
+    time.sleep(0.3)
+    os.killpg(c.pid, signal.SIGKILL)
+    assert a.wait(timeout=200) == 0
+    assert b.wait(timeout=60) == 0
+    assert d.wait(timeout=60) == -signal.SIGKILL
+    ra = {e["version"]: e for e in _events(log_a) if e["event"] == "round"}
+    rb = {e["version"]: e for e in _events(log_b) if e["event"] == "round"}
+    assert max(ra) == 14 and max(rb) == 14
+    for v in set(ra) & set(rb):
+        assert ra[v]["state_hash"] == rb[v]["state_hash"], v
+    # Nobody waited past the sync timeout plus the all-reduce timeout (plus scheduling slack).
+    waits = [e["comm_s"] for e in [*ra.values(), *rb.values()]]
+    assert max(waits) < 6.0 + 6.0 + 4.0, waits
+    # The dead peers stopped being waited for: the last rounds are pairs.
+    assert ra[14]["group_size"] == 2 and rb[14]["group_size"] == 2
+    assert any(e["event"] == "round" for e in _events(log_d))  # d did take part before dying

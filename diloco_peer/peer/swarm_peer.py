@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import signal
 import tempfile
@@ -111,6 +112,9 @@ class SwarmPeer:
         self._pending_samples: dict[int, int] = {}
         self._ready = False  # set once start() succeeded: only then may shutdown() checkpoint
         self._seen: dict[str, records.PeerHead] = {}
+        # Peers a group formed without, with the time: not waited for again until they publish
+        # a newer head, so a dead peer costs at most one timed-out round (DESIGN §3).
+        self._absent: dict[str, float] = {}
         self.rounds_done = 0
         self.contributions = 0
         self.last_loss: float | None = None
@@ -176,7 +180,7 @@ class SwarmPeer:
         self.service.start()
         self.service.wait_until_ready(timeout_s=30)
         prefix = "dp_" + hashlib.sha256(run_name.encode()).hexdigest()[:16]
-        self.averager = GroupAverager(self.service, prefix)
+        self.averager = GroupAverager(self.service, prefix, on_group=_fault_injection_hook())
         self.averager.start()
         self.averager.wait_until_ready(timeout_s=30)
         self.server = StateServer(self.service, prefix, lambda: self._blob)
@@ -258,7 +262,11 @@ class SwarmPeer:
             if known is None or head.updated == 0.0 or head.updated >= known.updated:
                 self._seen[peer] = head
         now = time.time()
-        return {p: h for p, h in self._seen.items() if now - h.updated < HEAD_TTL_S}
+        return {
+            p: h
+            for p, h in self._seen.items()
+            if now - h.updated < HEAD_TTL_S and h.updated > self._absent.get(p, 0.0)
+        }
 
     def catch_up(self) -> bool:
         """Move to the swarm's head if live peers are ahead, or heal a fork at our version.
@@ -523,9 +531,11 @@ class SwarmPeer:
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
             )  # fmt: skip
         except NoGroup:
+            self._mark_absent(heads, present=[self.peer_id])
             return self._keep(delta, shard_samples, "no group formed")
         except AllReduceFailed as e:
             return self._keep(delta, shard_samples, f"all-reduce failed: {e}")
+        self._mark_absent(heads, present=result.members)
         group_shards: dict[int, int] = {}
         for blob in result.gathered.values():
             try:
@@ -569,6 +579,12 @@ class SwarmPeer:
             self.save_checkpoint()
         self.on_round(report)
         return report
+
+    def _mark_absent(self, expected: dict[str, records.PeerHead], present: list[str]) -> None:
+        now = time.time()
+        for peer in expected:
+            if peer not in present:
+                self._absent[peer] = now
 
     def _keep(self, delta: list[torch.Tensor], shard_samples: dict[int, int], why: str) -> None:
         self._pending, self._pending_samples = delta, shard_samples
@@ -622,6 +638,24 @@ class SwarmPeer:
                 self.dht.shutdown()
             self.events.close()
             self._tmp.cleanup()
+
+
+def _fault_injection_hook() -> Any:
+    """Test-only fault injection: DILOCO_PEER_KILL_IN_GROUP=N makes this process SIGKILL itself
+    right after joining its N-th group, before any part is exchanged (mid all-reduce for the
+    other members)."""
+    target = os.environ.get("DILOCO_PEER_KILL_IN_GROUP")
+    if not target:
+        return None
+    joined = 0
+
+    def hook(key: str, members: list[str]) -> None:
+        nonlocal joined
+        joined += 1
+        if joined == int(target):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
 
 
 def install_signal_handlers(peer: SwarmPeer) -> None:
