@@ -224,3 +224,25 @@ def test_killed_peers_cost_survivors_at_most_a_timed_out_round(
     # The dead peers stopped being waited for: the last rounds are pairs.
     assert ra[14]["group_size"] == 2 and rb[14]["group_size"] == 2
     assert any(e["event"] == "round" for e in _events(log_d))  # d did take part before dying
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(200)
+def test_sigterm_saves_a_checkpoint_and_status_lists_peers(swarm: Swarm, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    a, log_a = swarm.start("a", *NANO, "--checkpoint-dir", str(ckpt))
+    start = swarm.wait_event(log_a, "start", 90)
+    swarm.wait_event(log_a, "round", 90, version=1)
+    out = subprocess.run(
+        [*PY, "status", "--swarm", start["maddrs"][0], "--run", "t", "--json"],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-1500:]
+    doc = json.loads(out.stdout)
+    assert [p["peer_id"] for p in doc["peers"]] == [start["peer"]]
+    assert doc["head_version"] >= 1 and doc["forks"] == {}
+    os.killpg(a.pid, signal.SIGTERM)
+    assert a.wait(timeout=60) == 0
+    stop = swarm.wait_event(log_a, "stop", 5)
+    assert (ckpt / "t.peer.safetensors").is_file()
+    assert stop["version"] >= 1

@@ -622,7 +622,10 @@ class SwarmPeer:
         try:
             if self._ready:
                 self.save_checkpoint()
-                self._publish_head(leaving=True)
+                try:
+                    self._publish_head(leaving=True)
+                except Exception as e:  # the DHT may already be gone (Ctrl+C reaches it too)
+                    log.debug("could not announce leaving: %s", e)
                 self.events.emit(
                     "stop", version=self.state.version, state_hash=self.state.hash(),
                     group_size=0, loss=self.last_loss, rounds_done=self.rounds_done,
@@ -659,9 +662,17 @@ def _fault_injection_hook() -> Any:
 
 
 def install_signal_handlers(peer: SwarmPeer) -> None:
-    """Ctrl+C / SIGTERM stop at the next safe point (between inner steps)."""
+    """Ctrl+C / SIGTERM stop at the next safe point (between inner steps).
+
+    Processes forked later (hivemind's DHT) inherit these handlers; there the signal keeps its
+    default meaning, or `DHT.shutdown()` could never terminate its child."""
+    main_pid = os.getpid()
 
     def handler(signum: int, frame: Any) -> None:
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         peer.request_stop()
 
     signal.signal(signal.SIGINT, handler)
