@@ -19,3 +19,40 @@ class DataError(BadInput):
 
 class CheckpointError(BadInput):
     """A checkpoint is missing, unreadable, malformed or does not match the model."""
+
+
+class IdentityError(BadInput):
+    """A key file or a public key is missing, unreadable, malformed or of an unsupported kind."""
+
+
+class ManifestError(BadInput):
+    """A run manifest is malformed, unsigned, for another run, or of another protocol version."""
+
+
+class SwarmTimeout(DilocoError):
+    """A DHT operation did not finish within its timeout."""
+
+
+class RecordError(BadInput):
+    """A swarm record is malformed (wrong type, out of range, wrong owner)."""
+
+
+class AllReduceFailed(DilocoError):
+    """A group was formed but its exchange did not complete; nothing of it may be applied.
+
+    The caller keeps its δ and re-contributes it in a later group (DESIGN.md §3, step 5).
+    """
+
+
+class NoGroup(DilocoError):
+    """No group was formed: no other peer with this key joined in time, or matchmaking broke
+    down. Nothing was exchanged; a lone peer may apply its own δ (DESIGN.md §3, k = 1)."""
+
+
+class StateTransferFailed(DilocoError):
+    """A full-state download did not complete; the reason says why (refused, no state yet, too
+    large, malformed answer, timed out). Try another donor, or the same one later."""
+
+
+class P2PServiceStopped(DilocoError, RuntimeError):
+    """The service was shut down (or never started) while a call needed its loop."""

@@ -30,7 +30,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from diloco_peer.errors import BadInput
+from diloco_peer.errors import IdentityError
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,6 @@ MAX_KEY_FILE_BYTES = 16 * 1024
 _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
 # What the protobuf and DER parsers raise on bytes that are not what they claim to be.
 _PARSE_ERRORS = (DecodeError, ValueError, TypeError, UnsupportedAlgorithm)
-
-
-class IdentityError(BadInput):
-    """A key file or a public key is missing, unreadable, malformed or of an unsupported kind."""
 
 
 def _check_rsa_size(bits: int) -> None:

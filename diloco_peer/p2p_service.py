@@ -27,15 +27,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import struct
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from hivemind.dht import DHT, DHTNode
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError
 from multiaddr import Multiaddr
 
-from diloco_peer.errors import DilocoError
+from diloco_peer.errors import P2PServiceStopped
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,30 @@ _CANCEL_GRACE_S = 3.0
 """How long tasks still pending when the loop stops get to finish their cancellation."""
 
 
-class P2PServiceStopped(DilocoError, RuntimeError):
-    """The service was shut down (or never started) while a call needed its loop."""
+STREAM_ERRORS: tuple[type[BaseException], ...] = (
+    P2PDaemonError,
+    P2PHandlerError,
+    OSError,
+    EOFError,
+    asyncio.TimeoutError,
+    struct.error,
+)
+"""What a broken, refused or timed-out stream raises (ConnectionError is an OSError,
+IncompleteReadError an EOFError)."""
+
+
+def wait_ready(ready: concurrent.futures.Future[Any] | None, timeout_s: float, what: str) -> None:
+    """Block until a component's setup future is done; re-raise what setup failed with."""
+    if ready is None:
+        raise RuntimeError(f"call {what}.start() before wait_until_ready()")
+    try:
+        ready.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        if ready.done():  # setup itself timed out
+            raise
+        raise TimeoutError(f"{what} not ready within {timeout_s} s") from None
+    except concurrent.futures.CancelledError:
+        raise P2PServiceStopped(f"{what} was shut down before it was ready") from None
 
 
 async def _daemon_listen_maddr(_dht: DHT, node: DHTNode) -> Multiaddr:
@@ -88,16 +111,7 @@ class P2PService:
 
     def wait_until_ready(self, timeout_s: float) -> None:
         """Block until the replica is connected; re-raises what setup failed with."""
-        if self._ready is None:
-            raise RuntimeError("call start() before wait_until_ready()")
-        try:
-            self._ready.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            if self._ready.done():  # setup itself timed out
-                raise
-            raise TimeoutError(f"P2PService not ready within {timeout_s} s") from None
-        except concurrent.futures.CancelledError:
-            raise P2PServiceStopped("P2PService was shut down before it was ready") from None
+        wait_ready(self._ready, timeout_s, "P2PService")
 
     async def ready(self, timeout_s: float) -> P2P:
         """Inside `loop`: wait until the replica is connected, for a component's own setup."""

@@ -36,11 +36,12 @@ from typing import Literal
 
 import numpy as np
 import torch
-from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from torch import Tensor
 
-from diloco_peer.errors import DilocoError
+from diloco_peer.errors import AllReduceFailed
+from diloco_peer.p2p_service import STREAM_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -71,24 +72,9 @@ that name rounds this peer never joins)."""
 _MAX_CLOSED_KEYS = 256
 _MAX_REASON_BYTES = 512
 _OK, _ERROR = b"OK", b"ER"
-_P2P_ERRORS = (
-    P2PDaemonError,
-    P2PHandlerError,
-    OSError,
-    EOFError,
-    asyncio.TimeoutError,
-    ValueError,
-    struct.error,
-)
+_P2P_ERRORS = (*STREAM_ERRORS, ValueError)
 """What a broken, refused or timed-out stream raises (ConnectionError is an OSError,
 IncompleteReadError an EOFError); each becomes AllReduceFailed."""
-
-
-class AllReduceFailed(DilocoError):
-    """A group was formed but its exchange did not complete; nothing of it may be applied.
-
-    The caller keeps its δ and re-contributes it in a later group (DESIGN.md §3, step 5).
-    """
 
 
 def reduce_part(parts: list[Tensor], weights: list[float]) -> Tensor:

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from diloco_peer.averaging.allreduce import COMPRESSIONS, AllReduceFailed, Compression, PartExchange
 from diloco_peer.averaging.matchmaking import HANDLER_TIMEOUT_S, NoGroup, form_group
-from diloco_peer.p2p_service import P2PService, P2PServiceStopped
+from diloco_peer.p2p_service import P2PService, P2PServiceStopped, wait_ready
 
 logger = logging.getLogger(__name__)
 
@@ -138,18 +138,7 @@ class GroupAverager:
 
     def wait_until_ready(self, timeout_s: float) -> None:
         """Block until the handlers are registered; re-raises what setup failed with."""
-        if self._ready is None:
-            raise RuntimeError("call start() before wait_until_ready()")
-        try:
-            self._ready.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            if self._ready.done():  # setup itself timed out
-                raise
-            raise TimeoutError(f"GroupAverager not ready within {timeout_s} s") from None
-        except concurrent.futures.CancelledError:
-            raise P2PServiceStopped(
-                "the P2P service shut down before the averager was ready"
-            ) from None
+        wait_ready(self._ready, timeout_s, "GroupAverager")
 
     @property
     def peer_id(self) -> str:

@@ -36,7 +36,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
 from diloco_peer.averaging.allreduce import AllReduceFailed
-from diloco_peer.errors import DilocoError
+from diloco_peer.errors import NoGroup
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +53,6 @@ _MAX_CLOSE_MARGIN_S = 1.0
 hear BEGIN_ALLREDUCE before their own deadline rather than just after it."""
 HANDLER_TIMEOUT_S = 10.0
 """Registering or removing a handler with the local p2p daemon."""
-
-
-class NoGroup(DilocoError):
-    """No group was formed: no other peer with this key joined in time, or matchmaking broke
-    down. Nothing was exchanged; a lone peer may apply its own δ (DESIGN.md §3, k = 1)."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any, Literal
 
 from diloco_peer.config import RunSpec
-from diloco_peer.errors import BadInput, ConfigError
+from diloco_peer.errors import ConfigError, ManifestError
 from diloco_peer.identity import Identity, IdentityError, peer_id_from_public_key, verify
 
 tomllib: ModuleType | None
@@ -48,10 +48,6 @@ _SIGNING_CONTEXT = b"diloco-peer/manifest\x00"
 _MANIFEST_FIELDS = frozenset(
     {"created", "owner_public_key", "protocol_version", "run", "run_name", "swarm"}
 )
-
-
-class ManifestError(BadInput):
-    """A run manifest is malformed, unsigned, for another run, or of another protocol version."""
 
 
 def check_run_name(name: object) -> str:

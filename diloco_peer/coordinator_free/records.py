@@ -40,7 +40,7 @@ from diloco_peer.coordinator_free.manifest import (
     SignedManifest,
     check_run_name,
 )
-from diloco_peer.errors import BadInput, ConfigError, DilocoError
+from diloco_peer.errors import ConfigError, RecordError, SwarmTimeout
 from diloco_peer.identity import (
     Identity,
     IdentityError,
@@ -54,14 +54,6 @@ _OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 _PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{1,128}\Z"  # base58, no 0 O I l
 _HEX64_PATTERN = r"^[0-9a-f]{64}\Z"
 _MAX_VERSION = 2**63 - 1  # msgpack carries 64-bit integers
-
-
-class SwarmTimeout(DilocoError):
-    """A DHT operation did not finish within its timeout."""
-
-
-class RecordError(BadInput):
-    """A swarm record is malformed (wrong type, out of range, wrong owner)."""
 
 
 # ------------------------------------------------------------------ schemas (checked by the DHT)

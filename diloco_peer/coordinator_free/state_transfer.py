@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from diloco_peer.errors import DilocoError
-from diloco_peer.p2p_service import P2PService, P2PServiceStopped
+from diloco_peer.errors import StateTransferFailed
+from diloco_peer.p2p_service import STREAM_ERRORS, P2PService, P2PServiceStopped
 
 logger = logging.getLogger(__name__)
 
@@ -76,21 +76,9 @@ _SHUTDOWN_GRACE_S = 3.0
 """How long shutdown lets uploads in progress go on before cancelling them."""
 _CALL_SLACK_S = 5.0
 """Backstop on top of a download's own timeout, for the calling thread's wait on the loop."""
-_P2P_ERRORS = (
-    P2PDaemonError,
-    P2PHandlerError,
-    OSError,
-    EOFError,
-    asyncio.TimeoutError,
-    struct.error,
-)
+_P2P_ERRORS = STREAM_ERRORS
 """What a broken, refused or timed-out stream raises (ConnectionError is an OSError,
 IncompleteReadError an EOFError)."""
-
-
-class StateTransferFailed(DilocoError):
-    """A full-state download did not complete; the reason says why (refused, no state yet, too
-    large, malformed answer, timed out). Try another donor, or the same one later."""
 
 
 @dataclass(frozen=True)

@@ -531,7 +531,8 @@ class SwarmPeer:
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
             )  # fmt: skip
         except NoGroup:
-            self._mark_absent(heads, present=[self.peer_id])
+            # Not a reason to mark anyone absent: they may simply have been late. Only a group
+            # that formed without a peer shows it is gone (a lone decision here would fork).
             return self._keep(delta, shard_samples, "no group formed")
         except AllReduceFailed as e:
             return self._keep(delta, shard_samples, f"all-reduce failed: {e}")
