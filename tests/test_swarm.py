@@ -246,3 +246,36 @@ def test_sigterm_saves_a_checkpoint_and_status_lists_peers(swarm: Swarm, tmp_pat
     stop = swarm.wait_event(log_a, "stop", 5)
     assert (ckpt / "t.peer.safetensors").is_file()
     assert stop["version"] >= 1
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(120)
+def test_manifest_of_another_protocol_version_is_refused(tmp_path: Path) -> None:
+    import time as _time
+
+    from hivemind.dht import DHT
+
+    from diloco_peer.config import RunSpec
+    from diloco_peer.coordinator_free.manifest import PROTOCOL_VERSION, Manifest, SwarmSettings
+    from diloco_peer.coordinator_free.records import publish_manifest, record_validators
+    from diloco_peer.identity import Identity
+
+    owner = Identity.generate()
+    key = tmp_path / "owner.key"
+    owner.save(key)
+    future = Manifest(
+        run_name="t", protocol_version=PROTOCOL_VERSION + 1, run=RunSpec(model="nano"),
+        swarm=SwarmSettings(), owner_public_key=owner.public_key, created=_time.time(),
+    ).sign(owner)  # fmt: skip
+    dht = DHT(
+        start=True, identity_path=str(key), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=record_validators(owner, "t"),
+    )  # fmt: skip
+    try:
+        assert publish_manifest(dht, owner, future, expiration_s=120, timeout_s=10)
+        out = _join_fails(tmp_path, "--swarm", str(dht.get_visible_maddrs()[0]))
+    finally:
+        dht.shutdown()
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr[-1500:]
+    assert len(lines) == 1 and "protocol version" in lines[0], lines
