@@ -60,13 +60,14 @@ class Swarm:
         raise TimeoutError(f"no {event} {match} in {log} within {timeout_s}s")
 
     def close(self) -> None:
+        # Always kill the whole session: a peer that died by SIGKILL leaves its forked DHT
+        # process and libp2p daemon behind in its process group.
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(timeout=10)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=10)
 
 
 @pytest.fixture

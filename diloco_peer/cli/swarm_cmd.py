@@ -230,8 +230,14 @@ def demo(
                 try:
                     os.killpg(p.pid, signal.SIGTERM)
                     p.wait(timeout=20)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    os.killpg(p.pid, signal.SIGKILL)
+                except subprocess.TimeoutExpired:
+                    pass
+                except ProcessLookupError:
+                    continue
+            try:  # whatever is left in the peer's session (a DHT child of a crashed peer)
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     codes = [p.returncode for p in procs]
     rows = [state.get(f"peer{i}", {}) for i in range(peers)]
     final_version = max((r.get("version", 0) for r in rows), default=0)
