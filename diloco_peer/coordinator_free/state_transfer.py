@@ -4,7 +4,7 @@
     server.start()
     ...
     blob = download_state(service, "run1", donor_peer_id, timeout_s=600)  # a peer catching up
-    tensors = safetensors.torch.load(blob.data)      # never pickle (DESIGN.md §4)
+    tensors = safetensors_load(blob.data)      # safetensors, never pickle (DESIGN.md §4)
     if my_state_hash(tensors) != advertised_hash: ...  # the caller checks, see below
 
 A donor serves the state it holds as one immutable blob: safetensors bytes (tensors plus string

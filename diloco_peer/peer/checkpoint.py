@@ -70,23 +70,44 @@ def save_model_checkpoint(
     atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
-def _read_metadata(path: Path) -> dict[str, str]:
-    """The safetensors header's metadata, read without trusting the rest of the file."""
+def safetensors_metadata(head: bytes, total_size: int, source: str) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file or blob from its first bytes (at least the
+    8-byte length and the JSON header), without trusting the rest. CheckpointError if
+    malformed; `total_size` bounds the header length the prefix claims."""
+    if len(head) < 8:
+        raise CheckpointError(f"{source}: not a safetensors checkpoint (too short)")
+    size = int.from_bytes(head[:8], "little")
+    if size <= 0 or size > min(100_000_000, total_size - 8) or len(head) < 8 + size:
+        raise CheckpointError(f"{source}: not a safetensors checkpoint (bad header size)")
+    try:
+        header = json.loads(head[8 : 8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{source}: unreadable checkpoint header ({e.__class__.__name__})"
+        ) from e
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{source}: malformed checkpoint metadata")
+    return meta
+
+
+def read_file_metadata(path: Path) -> dict[str, str]:
+    """`safetensors_metadata` of a file, reading only its header."""
     try:
         with open(path, "rb") as f:
             head = f.read(8)
-            if len(head) != 8:
-                raise CheckpointError(f"{path}: not a safetensors checkpoint (file too short)")
-            size = int.from_bytes(head, "little")
-            if size <= 0 or size > min(100_000_000, path.stat().st_size - 8):
-                raise CheckpointError(f"{path}: not a safetensors checkpoint (bad header size)")
-            header = json.loads(f.read(size))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"{path}: unreadable checkpoint header ({e.__class__.__name__})"
-        ) from e
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            size = int.from_bytes(head, "little") if len(head) == 8 else 0
+            head += f.read(min(size, 100_000_000))
+        total = path.stat().st_size
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable checkpoint ({e.strerror})") from e
+    return safetensors_metadata(head, total, str(path))
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    """A model checkpoint's metadata, checked to be of this format."""
+    meta = read_file_metadata(path)
+    if meta.get("format") != FORMAT:
         raise CheckpointError(
             f"{path}: not a diloco-peer model checkpoint (format {FORMAT} expected)"
         )

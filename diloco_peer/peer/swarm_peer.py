@@ -44,7 +44,7 @@ from diloco_peer.coordinator_free.state_transfer import (
 from diloco_peer.errors import BadInput, ConfigError, DilocoError
 from diloco_peer.identity import Identity
 from diloco_peer.p2p_service import P2PService
-from diloco_peer.peer.checkpoint import atomic_write
+from diloco_peer.peer.checkpoint import atomic_write, read_file_metadata, safetensors_metadata
 from diloco_peer.peer.data import ShardStream, TokenDataset, build_dataset, iid_shards
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.inner import InnerTrainer, Schedule, evaluate_loss, perplexity
@@ -239,10 +239,8 @@ class SwarmPeer:
 
     def _load_blob(self, data: bytes) -> None:
         try:
+            metadata = safetensors_metadata(data, len(data), "downloaded state")
             tensors = st_load(data)
-            # safetensors' metadata lives in the JSON header, read it from there.
-            header_len = int.from_bytes(data[:8], "little")
-            metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
         except Exception as e:
             raise ConfigError(f"downloaded state is not a valid safetensors blob ({e})") from e
         self.state.load(tensors, metadata)
@@ -320,11 +318,7 @@ class SwarmPeer:
         if path is None or not path.is_file():
             return None
         try:
-            with open(path, "rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
-                if not 0 < header_len < 100_000_000:
-                    return None
-                meta = json.loads(f.read(header_len)).get("__metadata__", {})
+            meta = read_file_metadata(path)
             return SignedManifest.from_bytes(
                 meta["manifest_bytes"].encode(), expected_run=self.spec.run_name
             )
@@ -389,9 +383,8 @@ class SwarmPeer:
 
         try:
             data = path.read_bytes()
+            meta = safetensors_metadata(data, len(data), str(path))
             tensors = st_load(data)
-            header_len = int.from_bytes(data[:8], "little")
-            meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
             if meta.get("format") != CHECKPOINT_FORMAT:
                 raise CheckpointError(f"{path}: not a diloco-peer peer checkpoint")
             if meta.get("manifest") != self.signed.digest:
