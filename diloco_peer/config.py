@@ -87,6 +87,9 @@ class RunSpec:
     shards: ShardMode = "iid"
     num_shards: int = 0
     """Number of data shards; 0 means one per worker."""
+    schedule_steps: int = 0
+    """T of each shard's cosine schedule (ALGORITHMS §2.6); 0 derives it: the simulator uses
+    total_steps / shards, a swarm (whose length is open-ended) 10,000."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -97,7 +100,7 @@ class RunSpec:
             _positive(name, getattr(self, name))
         for name in ("max_tokens", "warmup_steps", "weight_decay", "grad_clip", "outer_lr"):
             _non_negative(name, getattr(self, name))
-        for name in ("dn_buffer_size", "num_shards", "dn_c"):
+        for name in ("dn_buffer_size", "num_shards", "dn_c", "schedule_steps"):
             _non_negative(name, getattr(self, name))
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
@@ -203,16 +206,31 @@ class PeerSpec:
     """Stop after this many applied rounds; 0 runs until interrupted."""
     until_version: int = 0
     """Stop once the swarm state reaches this version; 0 means no such limit."""
+    until_steps: int = 0
+    """Stop once the swarm state holds this many applied local steps (all peers together,
+    counted from the replicated per-shard samples); 0 means no such limit."""
     log_json: str | None = None
     """Append one JSON object per event to this file."""
     data: str | None = None
     """Train on this local data instead of the swarm's shards (consortium mode)."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
+    shard: int = -1
+    """Train only on this shard, walked in its canonical order (the simulator's); -1 lets the
+    swarm's sampler pick a shard each phase. For reproducing `simulate` runs, and for run
+    owners who assign shards to peers."""
+    throttle: float = 1.0
+    """Emulate a slower device: pad each inner step so the peer runs this many times slower."""
+    record_updates: str | None = None
+    """Debug: write every update this peer applies (average, count, shards) to this folder."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        for name in ("micro_batch_size", "max_rounds", "until_version", "threads"):
+        for name in ("micro_batch_size", "max_rounds", "until_version", "until_steps", "threads"):
             _non_negative(name, getattr(self, name))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
+        if self.shard < -1:
+            raise ConfigError(f"--shard must be >= 0, got {self.shard}")
+        if not (self.throttle >= 1.0 and self.throttle < float("inf")):
+            raise ConfigError(f"--throttle must be a finite factor >= 1, got {self.throttle}")

@@ -105,6 +105,10 @@ def run_average(averagers: dict[str, GroupAverager], cmd: dict[str, Any], out: P
             "group_id": result.group_id.hex(),
             "shapes": [list(t.shape) for t in result.average],
             "dtypes": sorted({str(t.dtype) for t in result.average}),
+            "bytes_sent": result.bytes_sent,
+            "bytes_received": result.bytes_received,
+            "matchmaking_s": result.matchmaking_s,
+            "allreduce_s": result.allreduce_s,
         }
     )
 

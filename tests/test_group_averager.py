@@ -3,7 +3,8 @@
 Each peer is tests/_averager_peer.py in its own process group (its DHT process and p2p daemon
 included), driven by JSON lines on stdin; every group is SIGKILLed in `finally`, whatever the
 outcome. Contributions are `scale * randn` from per-peer seeds, so the true weighted mean is
-recomputed here and every member's result is compared with it and with the other members' bits.
+recomputed here and every member's result is compared with it and with the other members' bits,
+and every member's measured part-stream traffic with the frames the protocol sends.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from diloco_peer.averaging.matchmaking import group_digest, pack_gather, validat
 
 PEER_SCRIPT = Path(__file__).with_name("_averager_peer.py")
 SHAPES = [[300_000], [17, 33], [5], [2, 3, 4]]
+NUMEL = sum(math.prod(shape) for shape in SHAPES)
 SCALE = 0.25  # pseudo-gradient-like values: |x| < 2, where fp16's rounding error stays < 1e-3
 READY_TIMEOUT_S = 60.0
 SLACK_S = 3.0
@@ -182,14 +184,43 @@ def true_mean(seeds: list[int], weights: list[float]) -> list[torch.Tensor]:
     ]
 
 
+def check_traffic(peers: list[Peer], answers: list[dict[str, Any]], itemsize: int) -> None:
+    """Each member's measured bytes: near the butterfly's 2·b·n·(k−1)/k each way, exactly the
+    frames (8-byte length prefix + payload) the protocol sends, and every byte sent was read."""
+    k = len(peers)
+    ideal = 2 * itemsize * NUMEL * (k - 1) / k
+    sizes = part_sizes(NUMEL, k)
+
+    def part(size: int) -> int:  # sender -> reducer: header frame, then the part's frame
+        return 8 + _PART_HEADER.size + 8 + itemsize * size
+
+    def answer(size: int) -> int:  # reducer -> sender: b"OK" + the averaged part
+        return 8 + 2 + itemsize * size
+
+    members = sorted(p.peer_id for p in peers)
+    for peer, result in zip(peers, answers, strict=True):
+        mine = members.index(peer.peer_id)  # the part this member reduces
+        others = [size for j, size in enumerate(sizes) if j != mine]
+        for field in ("bytes_sent", "bytes_received"):
+            assert 0.9 * ideal <= result[field] <= 1.3 * ideal, (peer.index, field, result, ideal)
+        assert result["bytes_sent"] == sum(map(part, others)) + (k - 1) * answer(sizes[mine])
+        assert result["bytes_received"] == sum(map(answer, others)) + (k - 1) * part(sizes[mine])
+        assert result["matchmaking_s"] > 0 and result["allreduce_s"] > 0, result
+        assert result["matchmaking_s"] + result["allreduce_s"] <= result["elapsed_s"], result
+    sent = sum(result["bytes_sent"] for result in answers)
+    assert sent == sum(result["bytes_received"] for result in answers)
+
+
 def check_round(
     peers: list[Peer],
     answers: list[dict[str, Any]],
     seeds: list[int],
     weights: list[float],
     tolerance: float,
+    itemsize: int = 4,
 ) -> None:
-    """Every member succeeded with the same bits, equal to the true weighted mean."""
+    """Every member succeeded with the same bits, equal to the true weighted mean, and its
+    traffic was counted exactly (`itemsize`: 4 for fp32 on the wire, 2 for fp16)."""
     for answer, peer in zip(answers, peers, strict=True):
         assert answer["ok"], f"peer {peer.index}: {answer}\n{peer.log_tail()}"
     assert len({a["sha256"] for a in answers}) == 1, "members hold different bits"
@@ -204,6 +235,7 @@ def check_round(
     for i, expected in enumerate(true_mean(seeds, weights)):
         error = (result[str(i)].double() - expected).abs().max().item()
         assert error <= tolerance, f"tensor {i}: max error {error} > {tolerance}"
+    check_traffic(peers, answers, itemsize)
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +266,7 @@ def test_three_peers_fp16(trio: list[Peer]) -> None:
         average_command("v0", s, w, averager="fp16") for s, w in zip(seeds, weights, strict=True)
     ]
     answers = run_round(trio, commands)
-    check_round(trio, answers, seeds, weights, tolerance=1e-3)
+    check_round(trio, answers, seeds, weights, tolerance=1e-3, itemsize=2)
     # fp16 really was used: the result differs from the fp32 mean by more than fp32 rounding
     result = load_file(answers[0]["path"])
     assert (result["0"].double() - true_mean(seeds, weights)[0]).abs().max().item() > 1e-6
@@ -355,6 +387,15 @@ def _part_stream(
     return reader
 
 
+async def _accept(exchange: PartExchange, sender: str, reader: asyncio.StreamReader) -> bytes:
+    """What the stream handler does with a part, up to its answer (not written here)."""
+    rnd = await exchange._claim_part(sender, reader)
+    try:
+        return await exchange._reduce_part(rnd, sender, reader)
+    finally:
+        rnd.answered()
+
+
 @pytest.mark.timeout(10)
 def test_reducer_checks_every_part_against_the_agreed_group() -> None:
     async def scenario() -> None:
@@ -388,19 +429,40 @@ def test_reducer_checks_every_part_against_the_agreed_group() -> None:
         ]
         for sender, reader, reason in refused:
             with pytest.raises(AllReduceFailed, match=reason):
-                await asyncio.wait_for(exchange._accept_part(sender, reader), 1.0)
+                await asyncio.wait_for(_accept(exchange, sender, reader), 1.0)
         rnd.claimed.add(me)
         rnd.deliver(me, torch.full((3,), 1.0))
         first = asyncio.ensure_future(
-            exchange._accept_part(one, _part_stream(digest, 0, 2.0, [2.0] * 3))
+            _accept(exchange, one, _part_stream(digest, 0, 2.0, [2.0] * 3))
         )
         await asyncio.sleep(0.05)
         with pytest.raises(AllReduceFailed, match="duplicate"):
-            await exchange._accept_part(one, _part_stream(digest, 0, 2.0, [5.0] * 3))
-        last = exchange._accept_part(two, _part_stream(digest, 0, 3.0, [4.0] * 3))
-        (_, for_one), (_, for_two) = await asyncio.wait_for(asyncio.gather(first, last), 1.0)
+            await _accept(exchange, one, _part_stream(digest, 0, 2.0, [5.0] * 3))
+        # meanwhile, a round of another key (a pair) completes here: its bytes are its own
+        other = _Round(
+            key="v1",
+            digest=b"o" * 32,
+            members=[me, one],
+            me=me,
+            weights=[1.0, 2.0],
+            compression="none",
+            numel=6,
+            timeout_s=5.0,
+        )
+        exchange._rounds[other.digest] = other
+        other.claimed.add(me)
+        other.deliver(me, torch.zeros(3))
+        await asyncio.wait_for(
+            _accept(exchange, one, _part_stream(other.digest, 0, 2.0, [1.0] * 3)), 1.0
+        )
+        last = _accept(exchange, two, _part_stream(digest, 0, 3.0, [4.0] * 3))
+        for_one, for_two = await asyncio.wait_for(asyncio.gather(first, last), 1.0)
         assert for_one == for_two  # the same bytes for every member
         assert torch.allclose(decode(for_one, 3, "none"), torch.full((3,), 17.0 / 6))
+        # each round: its accepted streams' frames, read in full; refused streams count for none
+        framed_part = 8 + _PART_HEADER.size + 8 + 3 * 4
+        assert await rnd.traffic(1.0) == (0, 2 * framed_part)
+        assert await other.traffic(1.0) == (0, framed_part)
 
     asyncio.run(scenario())
 

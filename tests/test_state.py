@@ -73,3 +73,10 @@ def test_load_rejects_tampering_and_foreign_runs() -> None:
         _state().load(tensors, {"state": "not json"})
     with pytest.raises(ConfigError):
         _state().apply(_avg(0), count=0)
+
+
+def test_hash_covers_scalar_tensors() -> None:
+    outer = build_outer_optimizer("nesterov", lr=0.7, momentum=0.9)
+    a = ReplicatedState([torch.tensor(1.0), torch.ones(3)], outer, 2, "m")
+    b = ReplicatedState([torch.tensor(2.0), torch.ones(3)], outer, 2, "m")
+    assert a.hash() != b.hash()

@@ -1,10 +1,12 @@
-"""Full-state download between real peers on 127.0.0.1, plus unit tests of its argument checks.
+"""State and update downloads between real peers on 127.0.0.1, plus unit tests of their
+argument checks.
 
 The donor is this same file run as a script (`python tests/test_state_transfer.py OUT_DIR`, see
 `donor_main`), in its own process group with its DHT process and p2p daemon: one P2PService
-shared by a GroupAverager and three StateServers ("full" serves a ~40 MB safetensors blob,
-"empty" has no state yet, "private" refuses everyone). The requester is this pytest process: a
-DHT, one P2PService. The donor is SIGKILLed (process group) in `finally`, whatever the outcome.
+shared by a GroupAverager and four StateServers ("full" serves a ~40 MB safetensors blob and an
+update log of 3 real outer steps, "empty" has no state yet and no update log, "private" refuses
+everyone, "junk" serves a malformed update). The requester is this pytest process: a DHT, one
+P2PService. The donor is SIGKILLed (process group) in `finally`, whatever the outcome.
 """
 
 from __future__ import annotations
@@ -31,13 +33,17 @@ from hivemind.p2p import PeerID
 from safetensors.torch import save
 
 from diloco_peer.averaging.group_averager import GroupAverager
+from diloco_peer.averaging.outer import build_outer_optimizer
+from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.coordinator_free.state_transfer import (
     CHUNK_BYTES,
     StateBlob,
     StateServer,
     StateTransferFailed,
     download_state,
+    download_update,
 )
+from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
 from diloco_peer.p2p_service import P2PService
 
 logger = logging.getLogger(__name__)
@@ -47,6 +53,9 @@ READY_TIMEOUT_S = 60.0
 SLACK_S = 3.0
 FULL_NUMEL = 10_000_000  # fp32: 40 MB of tensor data
 FULL_VERSION = 7
+UPDATES = 3
+"""The donor's update log on run "full": versions 0 -> 1 -> 2 -> 3 of `initial_state()`."""
+MODEL_SHAPES = [(256, 64), (64,), (3, 5, 7)]
 
 
 def make_blob(version: int, numel: int, seed: int) -> StateBlob:
@@ -54,6 +63,38 @@ def make_blob(version: int, numel: int, seed: int) -> StateBlob:
     generator = torch.Generator().manual_seed(seed)
     data = save({"theta": torch.randn(numel, generator=generator)}, {"version": str(version)})
     return StateBlob(version=version, state_hash=hashlib.sha256(data).hexdigest(), data=data)
+
+
+def initial_state() -> ReplicatedState:
+    """Version 0 of a small replicated state, the same in every process."""
+    generator = torch.Generator().manual_seed(11)
+    theta = [torch.randn(s, generator=generator) for s in MODEL_SHAPES]
+    outer = build_outer_optimizer("nesterov", lr=0.7, momentum=0.9)
+    return ReplicatedState(theta, outer, num_shards=4, manifest_digest="m" * 64)
+
+
+def record_updates(count: int) -> tuple[UpdateLog, str]:
+    """Apply `count` seeded group averages to `initial_state()`, logging each; the log and the
+    final state hash (what a head peer would advertise)."""
+    state, log = initial_state(), UpdateLog(capacity=16)
+    generator = torch.Generator().manual_seed(12)
+    for round_ in range(count):
+        average = tuple(torch.randn(s, generator=generator) * 1e-2 for s in MODEL_SHAPES)
+        count_, shards = 2 + round_, {round_ % 4: 100 + round_}
+        base_version, base_hash = state.version, state.hash()
+        state.apply(list(average), count_, shards)
+        log.append(
+            UpdateRecord(
+                base_version=base_version,
+                base_hash=base_hash,
+                result_hash=state.hash(),
+                count=count_,
+                shard_samples=shards,
+                average=average,
+                info={"members": "donor", "round": str(round_)},
+            )
+        )
+    return log, state.hash()
 
 
 def share_pair() -> tuple[list[torch.Tensor], float]:
@@ -76,6 +117,13 @@ def donor_main(out_dir: Path) -> None:
     blob = make_blob(FULL_VERSION, FULL_NUMEL, seed=0)
     path = out_dir / "full.safetensors"
     path.write_bytes(blob.data)
+    log, head_hash = record_updates(UPDATES)
+    update_paths = []
+    for version in range(UPDATES):
+        data = log.get(version)  # the served bytes (safetensors metadata order varies by process)
+        assert data is not None
+        update_paths.append(str(out_dir / f"update.{version}.safetensors"))
+        Path(update_paths[-1]).write_bytes(data)
     dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     service = P2PService(dht)
     components: list[GroupAverager | StateServer] = []
@@ -87,9 +135,12 @@ def donor_main(out_dir: Path) -> None:
         averager.wait_until_ready(timeout_s=30)
         components.append(averager)
         for server in (
-            StateServer(service, "full", lambda: blob),
+            StateServer(service, "full", lambda: blob, updates=log.get),
             StateServer(service, "empty", lambda: None),
-            StateServer(service, "private", lambda: blob, allow=lambda peer_id: False),
+            StateServer(
+                service, "private", lambda: blob, allow=lambda peer_id: False, updates=log.get
+            ),
+            StateServer(service, "junk", lambda: None, updates=lambda version: b"junk"),
         ):
             server.start()
             components.append(server)
@@ -99,6 +150,8 @@ def donor_main(out_dir: Path) -> None:
                 "peer": service.peer_id,
                 "maddrs": [str(m) for m in dht.get_visible_maddrs()],
                 "path": str(path),
+                "update_paths": update_paths,
+                "head_hash": head_hash,
             }
         )
         for line in sys.stdin:
@@ -209,6 +262,10 @@ class Pair:
     donor_path: Path
     service: P2PService
     """The requester's (this process's) service."""
+    update_paths: list[Path]
+    """The donor's served update records, by base version, as files."""
+    head_hash: str
+    """The donor's state hash after its updates."""
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +282,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         service = P2PService(dht)
         service.start()
         service.wait_until_ready(timeout_s=30)
-        yield Pair(donor, ready["peer"], Path(ready["path"]), service)
+        yield Pair(
+            donor,
+            ready["peer"],
+            Path(ready["path"]),
+            service,
+            [Path(p) for p in ready["update_paths"]],
+            ready["head_hash"],
+        )
     finally:
         if service is not None:
             service.shutdown()
@@ -379,6 +443,50 @@ def test_donor_stopped_mid_transfer_fails_at_timeout(pair: Pair) -> None:
     assert "bytes received" in str(failure.value)
 
 
+@pytest.mark.multipeer
+@pytest.mark.timeout(60)
+def test_updates_download_byte_identical_and_replay_to_the_head(pair: Pair) -> None:
+    """A peer at version 0 fetches the donor's 3 updates one by one and replays them; run "full"
+    serves both kinds of request (its full-state downloads are the tests above)."""
+    state = initial_state()
+    shapes = [tuple(t.shape) for t in state.theta]
+    started = time.perf_counter()
+    for version in range(UPDATES):
+        data = download_update(pair.service, "full", pair.donor_id, version, timeout_s=10.0)
+        assert data == pair.update_paths[version].read_bytes()
+        record = UpdateRecord.from_bytes(data, shapes=shapes)
+        assert (record.base_version, record.base_hash) == (state.version, state.hash())
+        state.apply(list(record.average), record.count, record.shard_samples)
+        assert state.hash() == record.result_hash
+    assert state.version == UPDATES and state.hash() == pair.head_hash
+    logger.info("3 updates fetched and replayed in %.2f s", time.perf_counter() - started)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(60)
+def test_missing_refused_or_oversized_update_fails_cleanly(pair: Pair) -> None:
+    for run, version, reason in (
+        ("full", UPDATES, "no update from version 3"),  # the donor's head: nothing after it
+        ("full", 1000, "no update from version 1000"),
+        ("empty", 0, "no update log"),
+        ("private", 0, "not allowed"),
+        ("junk", 0, "malformed record"),
+        ("nosuchrun", 0, None),
+    ):
+        started = time.perf_counter()
+        with pytest.raises(StateTransferFailed, match=reason):
+            download_update(pair.service, run, pair.donor_id, version, timeout_s=10.0)
+        assert time.perf_counter() - started < 10.0
+    with pytest.raises(StateTransferFailed, match="exceeds max_bytes"):
+        download_update(pair.service, "full", pair.donor_id, 0, timeout_s=10.0, max_bytes=1000)
+    with pytest.raises(StateTransferFailed, match="myself"):
+        download_update(pair.service, "full", pair.service.peer_id, 0, timeout_s=10.0)
+    # the donor still serves both kinds after those refusals
+    assert download_update(pair.service, "full", pair.donor_id, 2, timeout_s=10.0) == (
+        pair.update_paths[2].read_bytes()
+    )
+
+
 # --------------------------------------------------------------------------- unit tests
 
 
@@ -409,6 +517,13 @@ def test_bad_arguments_are_value_errors() -> None:
     ):
         with pytest.raises(ValueError):
             download_state(service, run, "x", **kwargs)
+        with pytest.raises(ValueError):
+            download_update(service, run, "x", 0, **kwargs)
+    for version in (-1, True, 1.0, 2**63 - 1):
+        with pytest.raises(ValueError):
+            download_update(service, "ok", "x", version, timeout_s=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        StateServer(service, "ok", lambda: None, updates=b"not callable")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         StateServer(service, "has.dot", lambda: None)
     with pytest.raises(ValueError):

@@ -22,6 +22,11 @@ framed as hivemind's `P2P.send_raw_data` does (8-byte big-endian length, then th
 The reducer trusts nothing in the header it can check elsewhere: the sender is the
 libp2p-authenticated stream peer id (not a header field), and must be a member of the round named
 by the header's digest; its weight must equal the one agreed at matchmaking.
+
+Traffic is counted per round (`_Round.bytes_sent`, `bytes_received`): every frame above, length
+prefix included, on both ends of every stream the round uses, as a member and as a reducer. A
+stream counts for a round from the moment its reducer accepts the part; parts refused before
+(unknown round, stranger, duplicate) count for no round. Matchmaking's RPCs are not counted here.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import logging
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -130,6 +136,11 @@ async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
     return await reader.readexactly(length)
 
 
+def _framed(data: bytes) -> int:
+    """Bytes `data` takes on the stream as one frame: the length prefix, then the data."""
+    return P2P.HEADER_LEN + len(data)
+
+
 def key_tag(key: str) -> bytes:
     """8 bytes that name a round key in part headers."""
     return hashlib.sha256(key.encode()).digest()[:8]
@@ -143,6 +154,12 @@ def _consume(future: asyncio.Future[object]) -> None:
 
 def _short(peer: str) -> str:
     return peer[-6:]
+
+
+def _refusal(sender: str, error: Exception) -> bytes:
+    """The answer to a part that failed: b"ER" + a short reason."""
+    logger.debug("part from %s refused: %s", _short(sender), error)
+    return _ERROR + f"{type(error).__name__}: {error}".encode()[:_MAX_REASON_BYTES]
 
 
 class _Round:
@@ -174,6 +191,13 @@ class _Round:
         self.received: dict[str, Tensor] = {}
         self.result: asyncio.Future[bytes] = loop.create_future()
         self.result.add_done_callback(_consume)
+        # frames of this round's streams, both ends, both roles (a reducer's answer is counted
+        # just before it is written, so `traffic` waits for every accepted part's answer)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._unanswered = 0
+        self._all_answered = asyncio.Event()
+        self._all_answered.set()
 
     @property
     def tag(self) -> str:
@@ -186,6 +210,32 @@ class _Round:
         if not self.result.done():
             self.result.set_exception(AllReduceFailed(f"part {self.my_index}: {reason}"))
 
+    def accept(self, sender: str, header_bytes: int) -> None:
+        """A member's part stream joins the round; it owes one `answered()` call from now on."""
+        self.claimed.add(sender)
+        self.bytes_received += header_bytes
+        self._unanswered += 1
+        self._all_answered.clear()
+
+    def answered(self) -> None:
+        """An accepted stream's answer is counted (or it will never send one)."""
+        self._unanswered -= 1
+        if self._unanswered == 0:
+            self._all_answered.set()
+
+    async def traffic(self, wait_s: float) -> tuple[int, int]:
+        """(bytes sent, bytes received) once every accepted part's answer is counted.
+
+        Called after the round succeeded here: the result is then set, so the handlers that
+        answer it only need their turn in the loop. Past `wait_s` (never expected) the counts
+        are returned as they stand rather than failing a round for its bookkeeping.
+        """
+        try:
+            await asyncio.wait_for(self._all_answered.wait(), wait_s)
+        except asyncio.TimeoutError:
+            logger.debug("%s traffic counted without %d answers", self.tag, self._unanswered)
+        return self.bytes_sent, self.bytes_received
+
     def deliver(self, sender: str, part: Tensor) -> None:
         """Store a member's part; the last one in triggers the reduction (in sorted order)."""
         self.received[sender] = part
@@ -197,6 +247,18 @@ class _Round:
             return
         self.result.set_result(encode(average, self.compression))  # serialized once, for all
         self.received.clear()  # the inputs are no longer needed
+
+
+@dataclass(frozen=True)
+class AllReduceResult:
+    """What one member got from a round of `PartExchange.all_reduce`."""
+
+    average: Tensor
+    """1-D fp32, the same bits on every member."""
+    bytes_sent: int
+    """Frames (8-byte length prefix + payload) this peer wrote to the round's part streams."""
+    bytes_received: int
+    """Frames this peer read from them."""
 
 
 class PartExchange:
@@ -263,12 +325,13 @@ class PartExchange:
         weights: Sequence[float],
         flat: Tensor,
         allreduce_timeout_s: float,
-    ) -> Tensor:
+    ) -> AllReduceResult:
         """Average `flat` (1-D fp32) with the group; the same bits on every member, or raise.
 
         `members` (sorted), `weights` (same order) and `digest` must be what every member agreed
         on at matchmaking; a member whose view differs sends parts no reducer accepts.
         Raises AllReduceFailed if any part fails or the round outlives `allreduce_timeout_s`.
+        The result counts the bytes of this round's part streams only (see the module docstring).
         """
         rnd = _Round(
             key=key,
@@ -316,6 +379,7 @@ class PartExchange:
                     f"{rnd.tag} timed out after {allreduce_timeout_s} s; no average yet of parts {late}"
                 )
             averaged = [task.result() for task in sends]
+            bytes_sent, bytes_received = await rnd.traffic(max(rnd.remaining_s(), 1.0))
         except BaseException as e:
             rnd.fail(f"round aborted on its reducer: {e}")
             raise
@@ -324,12 +388,13 @@ class PartExchange:
                 task.cancel()
             loop = asyncio.get_running_loop()
             loop.call_later(_CLOSED_ROUND_RETAIN_S, self._forget, digest)
-        return torch.cat(
+        average = torch.cat(
             [
                 decode(data, size, self._compression)
                 for data, size in zip(averaged, rnd.sizes, strict=True)
             ]
         )
+        return AllReduceResult(average, bytes_sent, bytes_received)
 
     def _forget(self, digest: bytes) -> None:
         self._rounds.pop(digest, None)
@@ -357,7 +422,8 @@ class PartExchange:
         payload = encode(part, self._compression)
         try:
             response = await asyncio.wait_for(
-                self._exchange(PeerID.from_base58(reducer), header, payload), rnd.remaining_s()
+                self._exchange(rnd, PeerID.from_base58(reducer), header, payload),
+                rnd.remaining_s(),
             )
         except AllReduceFailed as e:
             raise AllReduceFailed(f"part {j} (reducer {_short(reducer)}): {e}") from None
@@ -373,13 +439,17 @@ class PartExchange:
             raise AllReduceFailed(f"part {j}: malformed answer from reducer {_short(reducer)}")
         return body
 
-    async def _exchange(self, reducer: PeerID, header: bytes, payload: bytes) -> bytes:
+    async def _exchange(self, rnd: _Round, reducer: PeerID, header: bytes, payload: bytes) -> bytes:
         """Open a stream, send header and part, read the answer (the caller bounds the time)."""
         _, reader, writer = await self._p2p.call_binary_stream_handler(reducer, self.handler_name)
         try:
+            rnd.bytes_sent += _framed(header)
             await P2P.send_raw_data(header, writer)
+            rnd.bytes_sent += _framed(payload)
             await P2P.send_raw_data(payload, writer)
-            return await _read_frame(reader, 2 + max(len(payload), _MAX_REASON_BYTES))
+            response = await _read_frame(reader, 2 + max(len(payload), _MAX_REASON_BYTES))
+            rnd.bytes_received += _framed(response)
+            return response
         finally:
             writer.close()
 
@@ -392,23 +462,40 @@ class PartExchange:
         if task is not None:
             self._serving.add(task)
         sender = info.peer_id.to_base58()  # authenticated by libp2p, unlike anything in the header
-        reply_timeout_s = _HEADER_TIMEOUT_S
         try:
-            try:
-                rnd, average = await self._accept_part(sender, reader)
-                reply_timeout_s = max(rnd.remaining_s(), 1.0)
-                response = _OK + average
-            except (AllReduceFailed, *_P2P_ERRORS) as e:
-                logger.debug("part from %s refused: %s", _short(sender), e)
-                reason = f"{type(e).__name__}: {e}".encode()[:_MAX_REASON_BYTES]
-                response = _ERROR + reason
-            await asyncio.wait_for(P2P.send_raw_data(response, writer), reply_timeout_s)
+            await self._serve_part(sender, reader, writer)
         except _P2P_ERRORS as e:
             logger.debug("answer to %s not delivered: %r", _short(sender), e)
         finally:
             writer.close()
             if task is not None:
                 self._serving.discard(task)
+
+    async def _serve_part(
+        self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Accept a member's part, reduce it, answer with the average or the reason it failed."""
+        try:
+            rnd = await self._claim_part(sender, reader)
+        except (AllReduceFailed, *_P2P_ERRORS) as e:
+            # refused before joining a round: this stream counts for none
+            await asyncio.wait_for(
+                P2P.send_raw_data(_refusal(sender, e), writer), _HEADER_TIMEOUT_S
+            )
+            return
+        reply_timeout_s = _HEADER_TIMEOUT_S
+        try:
+            try:
+                response = _OK + await self._reduce_part(rnd, sender, reader)
+                reply_timeout_s = max(rnd.remaining_s(), 1.0)
+            except (AllReduceFailed, *_P2P_ERRORS) as e:
+                response = _refusal(sender, e)
+            # counted before it is written (send_raw_data hands the whole frame to the stream
+            # before it first waits): the round's counts need not wait for slow receivers
+            rnd.bytes_sent += _framed(response)
+        finally:
+            rnd.answered()
+        await asyncio.wait_for(P2P.send_raw_data(response, writer), reply_timeout_s)
 
     async def _find_round(self, digest: bytes, tag: bytes, wait_s: float) -> _Round:
         rnd = self._rounds.get(digest)
@@ -436,7 +523,8 @@ class PartExchange:
             raise AllReduceFailed("this peer is in no such group (its matchmaking ended otherwise)")
         return rnd
 
-    async def _accept_part(self, sender: str, reader: asyncio.StreamReader) -> tuple[_Round, bytes]:
+    async def _claim_part(self, sender: str, reader: asyncio.StreamReader) -> _Round:
+        """Read a part's header and accept the stream into its round, or raise AllReduceFailed."""
         raw = await asyncio.wait_for(_read_frame(reader, _PART_HEADER.size), _HEADER_TIMEOUT_S)
         if len(raw) != _PART_HEADER.size:
             raise AllReduceFailed(f"part header of {len(raw)} bytes, expected {_PART_HEADER.size}")
@@ -463,10 +551,16 @@ class PartExchange:
             raise AllReduceFailed(f"duplicate part from {_short(sender)}")
         if rnd.result.done():
             raise AllReduceFailed("round is already over on its reducer")
-        rnd.claimed.add(sender)
+        rnd.accept(sender, _framed(raw))
+        return rnd
+
+    async def _reduce_part(self, rnd: _Round, sender: str, reader: asyncio.StreamReader) -> bytes:
+        """Read an accepted member's part; return the round's average once every part is in."""
+        numel = rnd.sizes[rnd.my_index]
         expected_bytes = numel * _WIRE_DTYPE[rnd.compression].itemsize
         try:
             payload = await asyncio.wait_for(_read_frame(reader, expected_bytes), rnd.remaining_s())
+            rnd.bytes_received += _framed(payload)
             part = decode(payload, numel, rnd.compression)
             if not bool(torch.isfinite(part).all()):
                 raise AllReduceFailed("part is not finite")
@@ -475,5 +569,4 @@ class PartExchange:
             rnd.fail(f"the part of {_short(sender)} failed: {type(e).__name__}: {e}")
             raise
         rnd.deliver(sender, part)
-        average = await asyncio.wait_for(asyncio.shield(rnd.result), rnd.remaining_s())
-        return rnd, average
+        return await asyncio.wait_for(asyncio.shield(rnd.result), rnd.remaining_s())

@@ -56,7 +56,8 @@ _CALL_SLACK_S = 5.0
 
 @dataclass(frozen=True)
 class GroupResult:
-    """One successful round, identical on every member."""
+    """One successful round: the fields up to `group_id` are identical on every member; the
+    traffic and timings that follow are this peer's own."""
 
     average: list[Tensor]
     """Σ_j w_j δ_j / Σ_j w_j, same shapes as the input, fp32 on CPU, bit-identical on members."""
@@ -68,6 +69,21 @@ class GroupResult:
     """Each member's `gather` bytes (for signed contribution headers)."""
     group_id: bytes
     """hivemind's group id, chosen at random by the group's leader."""
+    bytes_sent: int
+    """Bytes this peer wrote to the round's part streams, measured: every frame as sent (8-byte
+    length prefix + payload), i.e. its parts and part headers to the other reducers and, as a
+    reducer, the averaged part back to each member: about 2·4·n·(k−1)/k for n fp32 floats in a
+    group of k (half that with fp16), plus ~100 B of framing per stream. Matchmaking (hivemind
+    RPC, DHT) is not counted. Differs slightly between members (part sizes differ by one float)."""
+    bytes_received: int
+    """Bytes this peer read from the same streams, counted the same way: the other members' parts
+    for the part it reduces, and the averages of its parts from their reducers. Over a group, the
+    sum of `bytes_received` equals the sum of `bytes_sent` (every frame sent is read once) when
+    every member succeeded. Matchmaking is not counted."""
+    matchmaking_s: float
+    """Seconds from the call to the group being formed (hivemind's matchmaking)."""
+    allreduce_s: float
+    """Seconds from the group being formed to this peer holding the average."""
 
 
 def _positive(name: str, value: float) -> float:
@@ -293,7 +309,7 @@ class GroupAverager:
         logger.info("%s group of %d formed in %.2f s", tag, len(group.members), formed - started)
         if self._on_group is not None:
             self._on_group(key, list(group.members))
-        average = await exchange.all_reduce(
+        reduced = await exchange.all_reduce(
             key=key,
             digest=group.digest,
             members=group.members,
@@ -301,21 +317,27 @@ class GroupAverager:
             flat=flat,
             allreduce_timeout_s=allreduce_timeout_s,
         )
+        done = time.perf_counter()
         logger.info(
-            "%s all-reduce of %d floats done in %.2f s",
+            "%s all-reduce of %d floats done in %.2f s (%d B sent, %d B received)",
             tag,
-            average.numel(),
-            time.perf_counter() - formed,
+            reduced.average.numel(),
+            done - formed,
+            reduced.bytes_sent,
+            reduced.bytes_received,
         )
         sizes = [math.prod(shape) for shape in shapes]
+        parts = reduced.average.split(sizes)
         return GroupResult(
-            average=[
-                part.view(shape) for part, shape in zip(average.split(sizes), shapes, strict=True)
-            ],
+            average=[part.view(shape) for part, shape in zip(parts, shapes, strict=True)],
             members=list(group.members),
             weights=dict(zip(group.members, group.weights, strict=True)),
             gathered=dict(zip(group.members, group.gathered, strict=True)),
             group_id=group.group_id,
+            bytes_sent=reduced.bytes_sent,
+            bytes_received=reduced.bytes_received,
+            matchmaking_s=formed - started,
+            allreduce_s=done - formed,
         )
 
 

@@ -59,7 +59,7 @@ class ReplicatedState:
         for name, t in sorted(self.tensors().items()):
             t = t.detach().to("cpu").contiguous()
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return h.hexdigest()
 
     def _meta(self) -> dict[str, Any]:

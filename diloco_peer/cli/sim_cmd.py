@@ -66,6 +66,9 @@ def simulate(
     ),
     shards: str = typer.Option("iid", help="iid or non-iid (k-means on the model's features)."),
     num_shards: int = typer.Option(0, help="Data shards; 0 = one per worker."),
+    schedule_steps: int = typer.Option(
+        0, help="T of each shard's cosine schedule; 0 = total steps / shards."
+    ),
     outer_optimizer: str = typer.Option(
         "nesterov", help="sgd|sgdm|nesterov|adam|delayed-nesterov (sync)."
     ),
@@ -103,7 +106,7 @@ def simulate(
         batch_size=batch_size, val_sequences=val_sequences, inner_lr=inner_lr,
         warmup_steps=warmup_steps, inner_steps=inner_steps, outer_optimizer=outer_optimizer,
         outer_lr=outer_lr, outer_momentum=outer_momentum, dn_buffer_size=dn_buffer_size,
-        dn_c=dn_c, shards=shards, num_shards=num_shards, seed=seed,
+        dn_c=dn_c, shards=shards, num_shards=num_shards, schedule_steps=schedule_steps, seed=seed,
     )  # fmt: skip
     spec = SimSpec(
         run=run, algo=algo, workers=workers, total_steps=total_steps, heterogeneity=heterogeneity,

@@ -38,6 +38,12 @@ def join(
     inner_steps: int | None = typer.Option(
         None, "--inner-steps", "-H", help="Founding only: H of the built-in run."
     ),
+    protocol: str | None = typer.Option(
+        None, help="Founding only: sync (DiLoCo) or async (DyLU + Delayed Nesterov)."
+    ),
+    expected_peers: int | None = typer.Option(
+        None, help="Founding only: peers the run expects (first round waits for them)."
+    ),
     host: str = typer.Option("0.0.0.0", help="Interface to listen on."),
     port: int = typer.Option(0, help="TCP port (0 = any free)."),
     announce: list[str] = typer.Option([], help="Multiaddr others should dial (repeatable)."),
@@ -49,13 +55,21 @@ def join(
     until_version: int = typer.Option(
         0, help="Stop once the swarm reaches this version (0 = never)."
     ),
+    until_steps: int = typer.Option(
+        0, help="Stop once the swarm state holds this many local steps, all peers (0 = never)."
+    ),
     log_json: Path | None = typer.Option(None, help="Append JSON events here."),
     data: str | None = typer.Option(None, help="Train on this local data (consortium mode)."),
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
+    shard: int = typer.Option(-1, help="Train only on this shard (default: the sampler picks)."),
+    throttle: float = typer.Option(1.0, help="Emulate a slower device: run FACTOR times slower."),
+    record_updates: Path | None = typer.Option(
+        None, help="Debug: write every applied update (average, count) into this new folder."
+    ),
     quiet: bool = typer.Option(False, help="No progress bar."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
-    """Join a swarm (or found one) and train with synchronous DiLoCo."""
+    """Join a swarm (or found one) and train with DiLoCo, synchronous or asynchronous."""
     configure_logging(verbose)
     from diloco_peer.coordinator_free.manifest import load_run_config
     from diloco_peer.peer.swarm_peer import SwarmPeer, default_run, install_signal_handlers
@@ -65,20 +79,30 @@ def join(
         port=port, announce=tuple(announce), identity=str(identity) if identity else None,
         device=device, micro_batch_size=batch_size,
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, max_rounds=max_rounds,
-        until_version=until_version,
-        log_json=str(log_json) if log_json else None, data=data, threads=threads,
+        until_version=until_version, until_steps=until_steps,
+        log_json=str(log_json) if log_json else None, data=data, threads=threads, shard=shard,
+        throttle=throttle, record_updates=str(record_updates) if record_updates else None,
     )  # fmt: skip
     founding = None
     if not swarm:
+        if protocol not in (None, "sync", "async"):
+            raise BadInput(f"unknown --protocol {protocol!r}; choose sync or async")
         if config is not None:
             run_spec, settings = load_run_config(config)
+            if protocol:
+                settings = dataclasses.replace(settings, protocol=protocol)
         else:
-            run_spec, settings = default_run(model or "tiny")
+            run_spec, settings = default_run(model or "tiny", protocol or "sync")
         overrides = {"model": model, "inner_steps": inner_steps}
         run_spec = dataclasses.replace(run_spec, **{k: v for k, v in overrides.items() if v})
+        if expected_peers is not None:
+            settings = dataclasses.replace(settings, expected_peers=expected_peers)
         founding = (run_spec, settings)
-    elif model or inner_steps or config:
-        raise BadInput("--config, --model and --inner-steps only apply when founding a swarm")
+    elif model or inner_steps or config or protocol or expected_peers is not None:
+        raise BadInput(
+            "--config, --model, --inner-steps, --protocol and --expected-peers only apply "
+            "when founding a swarm"
+        )
 
     progress = Progress(
         TextColumn("[bold]v{task.fields[version]}"), BarColumn(), MofNCompleteColumn(),
@@ -93,10 +117,11 @@ def join(
     def on_round(r: Any) -> None:
         progress.update(task, version=r.version, completed=0)
         ppl = f"{r.ppl:.2f}" if r.ppl is not None else "-"
+        stale = f", staleness {r.staleness}" if r.staleness else ""
         _err.print(
-            f"round v{r.version}: group {r.group_size}, loss {r.loss:.3f}, held-out ppl {ppl}, "
-            f"comm {r.comm_s:.2f}s, ~{r.payload_bytes / 1e6:.1f} MB exchanged, "
-            f"state {r.state_hash[:12]}"
+            f"round v{r.version}: group {r.group_size}, {r.steps} steps{stale}, loss {r.loss:.3f}, "
+            f"held-out ppl {ppl}, comm {r.comm_s:.2f}s, sent {r.bytes_sent / 1e6:.2f} MB, "
+            f"received {r.bytes_received / 1e6:.2f} MB, state {r.state_hash[:12]}"
         )
 
     peer = SwarmPeer(spec, founding=founding, on_step=on_step, on_round=on_round)
@@ -133,9 +158,16 @@ def _read_events(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
 @app.command()
 def demo(
     peers: int = typer.Option(4, help="Peer processes to start on 127.0.0.1."),
-    rounds: int = typer.Option(3, help="Rounds each peer trains."),
+    rounds: int = typer.Option(3, help="Train until the swarm state reaches this version."),
+    total_steps: int = typer.Option(
+        0, help="Instead of --rounds: train until the state holds this many local steps."
+    ),
     model: str = typer.Option("tiny", help="Model preset of the built-in run."),
     inner_steps: int = typer.Option(50, "--inner-steps", "-H", help="Inner steps per round."),
+    protocol: str = typer.Option("sync", help="sync (DiLoCo) or async (DyLU + Delayed Nesterov)."),
+    heterogeneity: str = typer.Option(
+        "none", help="Emulated device speeds (none|slight|moderate|very), by throttling peers."
+    ),
     timeout_s: float = typer.Option(1800.0, help="Give up (and stop every peer) after this long."),
     log_json: Path | None = typer.Option(None, help="Also write every peer's events here."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON summary on stdout."),
@@ -144,12 +176,35 @@ def demo(
     configure_logging()
     if peers < 1 or rounds < 1:
         raise BadInput("--peers and --rounds must be >= 1")
+    if protocol not in ("sync", "async"):
+        raise BadInput(f"unknown --protocol {protocol!r}; choose sync or async")
+    from diloco_peer.config import HETEROGENEITY
+    from diloco_peer.sim.profiles import step_seconds
+
+    if heterogeneity not in HETEROGENEITY:
+        raise BadInput(
+            f"unknown --heterogeneity {heterogeneity!r}; choose {'|'.join(HETEROGENEITY)}"
+        )
+    seconds = step_seconds(heterogeneity, peers)
+    throttles = [s / min(seconds) for s in seconds]
+    from diloco_peer.coordinator_free.manifest import dump_run_config
+    from diloco_peer.peer.swarm_peer import default_run
+
+    run_spec, settings = default_run(model, protocol)
+    # Sync mode waits for its slowest peer: give it the time that peer needs.
+    settings = dataclasses.replace(
+        settings, expected_peers=peers, sync_timeout_s=settings.sync_timeout_s * max(throttles)
+    )
+    run_spec = dataclasses.replace(run_spec, inner_steps=inner_steps)
     workdir = Path(tempfile.mkdtemp(prefix="diloco-demo-"))
+    config = workdir / "run.toml"
+    config.write_text(dump_run_config(run_spec, settings), encoding="utf-8")
     procs: list[subprocess.Popen[bytes]] = []
     logs = [workdir / f"peer{i}.jsonl" for i in range(peers)]
     threads = max(1, (os.cpu_count() or 2) // peers)
+    until = ["--until-steps", str(total_steps)] if total_steps else ["--until-version", str(rounds)]
     base = [sys.executable, "-m", "diloco_peer", "join", "--run", "demo", "--host", "127.0.0.1", "-v",
-            "--until-version", str(rounds), "--quiet", "--threads", str(threads)]  # fmt: skip
+            *until, "--quiet", "--threads", str(threads)]  # fmt: skip
     state: dict[str, dict[str, Any]] = {}
     offsets = [0] * peers
     started = time.time()
@@ -169,14 +224,28 @@ def demo(
                     row["loss"], row["ppl"] = ev.get("loss"), ev.get("ppl")
                 if ev["event"] == "catch_up":
                     row["caught_up"] = row.get("caught_up", 0) + 1
+                if ev["event"] == "round":
+                    row["local_steps"] = row.get("local_steps", 0) + ev.get("steps", 0)
                 if ev["event"] == "stop":
                     row["stopped"] = True
+                    row["ppl_stop"] = ev.get("ppl")
+                    row["applied_steps"] = ev.get("applied_steps")
+                    row["shard_samples"] = ev.get("shard_samples")
+                    row["data_share"] = ev.get("data_share")
+                    active = ev.get("active_s") or 0.0
+                    row["active_s"] = active
+                    row["compute_s"] = ev.get("compute_s")
+                    row["idle_fraction"] = ev.get("wait_s", 0.0) / active if active else None
+                    row["dropped"] = ev.get("dropped", 0)
                 if log_json is not None:
                     with open(log_json, "a", encoding="utf-8") as f:
                         f.write(json.dumps(ev, sort_keys=True) + "\n")
 
     def table() -> Table:
-        t = Table(title=f"diloco-peer demo: {peers} peers, {rounds} rounds, model {model}")
+        t = Table(
+            title=f"diloco-peer demo: {peers} peers, {protocol}, until version {rounds}, "
+            f"model {model}, heterogeneity {heterogeneity}"
+        )
         for col in ("peer", "id", "rounds", "version", "loss", "held-out ppl", "state"):
             t.add_column(col)
         for i in range(peers):
@@ -191,10 +260,10 @@ def demo(
     try:
         founder = [
             *base,
-            "--model",
-            model,
-            "--inner-steps",
-            str(inner_steps),
+            "--config",
+            str(config),
+            "--throttle",
+            f"{throttles[0]:.4f}",
             "--log-json",
             str(logs[0]),
         ]
@@ -211,7 +280,8 @@ def demo(
                     maddr = ev["maddrs"][0]
             time.sleep(0.2)
         for i in range(1, peers):
-            cmd = [*base, "--swarm", maddr, "--log-json", str(logs[i])]
+            cmd = [*base, "--swarm", maddr, "--log-json", str(logs[i]),
+                   "--throttle", f"{throttles[i]:.4f}"]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                           stderr=open(workdir / f"peer{i}.err", "wb"),
                                           start_new_session=True))  # fmt: skip
@@ -243,19 +313,31 @@ def demo(
     final_version = max((r.get("version", 0) for r in rows), default=0)
     at_final = {r.get("state_hash") for r in rows if r.get("version") == final_version}
     ppl_after = next(
-        (r.get("ppl") for r in rows if r.get("version") == final_version and r.get("ppl")), None
-    )
+        (r.get(k) for k in ("ppl_stop", "ppl") for r in rows
+         if r.get("version") == final_version and r.get(k)),
+        None,
+    )  # fmt: skip
     summary = {
         "peers": [
             {"name": f"peer{i}", "peer_id": r.get("peer"), "rounds": r.get("rounds", 0),
              "contributions": r.get("rounds", 0), "final_version": r.get("version"),
-             "state_hash": r.get("state_hash"), "exit_code": codes[i]}
+             "state_hash": r.get("state_hash"), "exit_code": codes[i],
+             "local_steps": r.get("local_steps", 0), "throttle": throttles[i],
+             "active_s": r.get("active_s"), "compute_s": r.get("compute_s"),
+             "idle_fraction": r.get("idle_fraction"), "dropped": r.get("dropped", 0)}
             for i, r in enumerate(rows)
         ],
         "final_version": final_version,
         "hashes_agree": len(at_final) == 1 and all(r.get("version") == final_version for r in rows),
         "ppl_before": rows[0].get("ppl_start") if rows else None,
         "ppl_after": ppl_after,
+        "protocol": protocol,
+        "heterogeneity": heterogeneity,
+        "applied_steps": max((r.get("applied_steps") or 0 for r in rows), default=0),
+        "shard_samples": next(
+            (r.get("shard_samples") for r in rows if r.get("version") == final_version), None
+        ),
+        "data_share": next((r.get("data_share") for r in rows if r.get("data_share")), None),
         "wall_s": time.time() - started,
         "logs": str(workdir),
     }  # fmt: skip

@@ -86,6 +86,18 @@ class SwarmSettings:
     """A kept delta older than this many versions is dropped and counted, never applied."""
     checkpoint_every: int = 5
     """Write a local checkpoint every this many versions; 0 disables."""
+    expected_peers: int = 0
+    """Peers the run expects. A peer's first round waits (up to start_timeout_s) until this many
+    are live, so a swarm started together trains together; in async mode Delayed Nesterov's
+    buffer N defaults to it. 0: no wait, N = 1."""
+    start_timeout_s: float = 300.0
+    """Longest a peer waits for expected_peers before it trains anyway."""
+    eval_every: int = 1
+    """Evaluate the held-out perplexity every this many versions (and when stopping); 0: only
+    when stopping."""
+    keep_updates: int = 16
+    """L: applied updates each peer keeps and serves, so a peer behind by at most L versions
+    replays them instead of downloading the full state."""
 
     def __post_init__(self) -> None:
         if self.protocol not in ("sync", "async"):
@@ -101,6 +113,12 @@ class SwarmSettings:
             raise ConfigError(f"staleness_limit must be >= 0, got {self.staleness_limit}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        for name in ("expected_peers", "eval_every", "keep_updates"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        _finite("start_timeout_s", self.start_timeout_s, 0, strict=False)
+        if self.protocol == "async" and self.grace_s <= 0:
+            raise ConfigError("async mode needs grace_s > 0: peers finishing together must meet")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -151,6 +169,23 @@ def load_run_config(path: str | Path) -> tuple[RunSpec, SwarmSettings]:
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     return run, swarm
+
+
+def dump_run_config(run: RunSpec, swarm: SwarmSettings) -> str:
+    """The TOML text `load_run_config` reads back as (run, swarm)."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return json.dumps(str(v))  # a TOML basic string: JSON escapes are valid TOML escapes
+
+    lines = ["[run]"]
+    lines += [f"{k} = {value(v)}" for k, v in run.to_dict().items()]
+    lines += ["", "[swarm]"]
+    lines += [f"{k} = {value(v)}" for k, v in swarm.to_dict().items()]
+    return "\n".join(lines) + "\n"
 
 
 def _json_loads(data: bytes | str) -> Any:

@@ -1,13 +1,19 @@
-"""One peer of a swarm: the round loop of DESIGN §3 in synchronous mode.
+"""One peer of a swarm: the round loop of DESIGN §3, one mechanism for sync and async.
 
-catch up (download the head's state, check its hash) -> plan (shard by Eq. 2, H steps) ->
-train (inner AdamW, δ) -> contribute (group keyed by version, all-reduce) -> apply (outer step
-on CPU fp32, replicated) -> publish the new head. A failed group keeps δ and adds it to the
-next contribution; a lone peer applies its own δ (k = 1, Lookahead).
+catch up (replay the missed updates, or download the head's state; check its hash) -> plan
+(shard by Eq. 2; H steps in sync mode, DyLU in async mode) -> train (inner AdamW, δ) ->
+contribute (group keyed by the head version: sync waits for every live peer, async at most the
+grace period) -> apply (outer step on CPU fp32, replicated) -> publish the new head.
+
+A failed group keeps δ and adds it to the next contribution; a δ computed on an older version
+is applied at the head (its staleness is logged) unless it is older than the staleness limit;
+a lone peer applies its own δ (k = 1, Lookahead). A peer whose branch lost a fork downloads the
+winner and re-contributes the δ it had applied on the losing branch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -33,6 +39,7 @@ from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import PeerSpec, RunSpec
 from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free.dylu import dylu_steps
 from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest, SwarmSettings
 from diloco_peer.coordinator_free.sampler import shard_probabilities
 from diloco_peer.coordinator_free.state_transfer import (
@@ -40,7 +47,9 @@ from diloco_peer.coordinator_free.state_transfer import (
     StateServer,
     StateTransferFailed,
     download_state,
+    download_update,
 )
+from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
 from diloco_peer.errors import BadInput, ConfigError, DilocoError
 from diloco_peer.identity import Identity
 from diloco_peer.p2p_service import P2PService
@@ -74,14 +83,43 @@ class RoundReport:
     loss: float
     ppl: float | None
     comm_s: float
-    payload_bytes: int
+    bytes_sent: int
+    bytes_received: int
+    steps: int = 0
+    staleness: int = 0
     members: list[str] = field(default_factory=list)
 
 
-def default_run(model: str = "tiny") -> tuple[RunSpec, SwarmSettings]:
-    """The built-in run: tiny model, built-in corpus, byte tokens, synchronous DiLoCo."""
+@dataclass
+class _Contribution:
+    """This peer's δ waiting to be applied: trained on `base_version`, maybe several phases."""
+
+    delta: list[torch.Tensor]
+    base_version: int
+    shard_samples: dict[int, int]
+    steps: int
+
+    def merge(self, other: _Contribution) -> _Contribution:
+        samples = dict(self.shard_samples)
+        for k, v in other.shard_samples.items():
+            samples[k] = samples.get(k, 0) + v
+        return _Contribution(
+            [a + b for a, b in zip(self.delta, other.delta, strict=True)],
+            min(self.base_version, other.base_version), samples, self.steps + other.steps,
+        )  # fmt: skip
+
+
+def default_run(model: str = "tiny", protocol: str = "sync") -> tuple[RunSpec, SwarmSettings]:
+    """The built-in run: tiny model, built-in corpus, byte tokens; synchronous DiLoCo, or
+    asynchronous Local-SGD with Delayed Nesterov (the outer lr each tuned in the simulator,
+    docs/results.md table (b))."""
     run = RunSpec(model=model, inner_steps=50, warmup_steps=20, num_shards=DEFAULT_SHARDS)
-    return run, SwarmSettings(protocol="sync", sync_timeout_s=30.0, allreduce_timeout_s=60.0)
+    if protocol == "async":
+        run = dataclasses.replace(run, outer_optimizer="delayed-nesterov", outer_lr=1.0)
+    return run, SwarmSettings(
+        protocol="sync" if protocol == "sync" else "async",
+        sync_timeout_s=30.0, allreduce_timeout_s=60.0, grace_s=3.0,
+    )  # fmt: skip
 
 
 class SwarmPeer:
@@ -108,8 +146,13 @@ class SwarmPeer:
         self.averager: GroupAverager | None = None
         self.server: StateServer | None = None
         self._blob: StateBlob | None = None
-        self._pending: list[torch.Tensor] | None = None
-        self._pending_samples: dict[int, int] = {}
+        self._pending: _Contribution | None = None
+        # The δ this peer applied last, with the version it produced: if that version's branch
+        # loses a fork, the δ is contributed again (DESIGN §3).
+        self._last_own: tuple[int, _Contribution] | None = None
+        self._last_step_t = 0.0
+        self._started_training = False
+        self._t_first_train = 0.0
         self._ready = False  # set once start() succeeded: only then may shutdown() checkpoint
         self._seen: dict[str, records.PeerHead] = {}
         # Peers a group formed without, with the time: not waited for again until they publish
@@ -117,7 +160,10 @@ class SwarmPeer:
         self._absent: dict[str, float] = {}
         self.rounds_done = 0
         self.contributions = 0
+        self.dropped = 0
         self.last_loss: float | None = None
+        self.compute_s = 0.0
+        self.wait_s = 0.0
 
     # ----- setup -----
 
@@ -173,9 +219,9 @@ class SwarmPeer:
         self.manifest = self.signed.manifest
         self.run = self.manifest.run
         self.swarm = self.manifest.swarm
-        if self.swarm.protocol != "sync":
-            raise ConfigError("this build runs protocol 'sync' only; async mode is not built yet")
         self._build_training()
+        self.updates = UpdateLog(self.swarm.keep_updates)
+        self._prepare_record_dir()
         self.service = P2PService(self.dht)
         self.service.start()
         self.service.wait_until_ready(timeout_s=30)
@@ -183,7 +229,9 @@ class SwarmPeer:
         self.averager = GroupAverager(self.service, prefix, on_group=_fault_injection_hook())
         self.averager.start()
         self.averager.wait_until_ready(timeout_s=30)
-        self.server = StateServer(self.service, prefix, lambda: self._blob)
+        self.server = StateServer(
+            self.service, prefix, lambda: self._blob, updates=self.updates.get
+        )
         self.server.start()
         self._resume()
         self._snapshot()
@@ -212,17 +260,25 @@ class SwarmPeer:
             self.model, run, self.device, micro_batch_size=self.spec.micro_batch_size or None
         )
         num_shards = run.num_shards or DEFAULT_SHARDS
+        if self.spec.shard >= num_shards:
+            raise BadInput(f"--shard {self.spec.shard} is out of range: the run has {num_shards}")
         self.shards = iid_shards(len(self.data.train), num_shards, run.seed)
-        # Each peer walks each shard in its own order, so two peers never train the same batches.
+        # Each peer walks each shard in its own order, so two peers never train the same batches;
+        # a pinned shard is walked in its canonical order, the simulator's.
         salt = int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "big")
         self.streams = [
-            ShardStream(self.data.train, idx, run.batch_size, seed=salt * 1000 + s)
+            ShardStream(
+                self.data.train,
+                idx,
+                run.batch_size,
+                seed=run.seed + s if self.spec.shard == s else salt * 1000 + s,
+            )  # fmt: skip
             for s, idx in enumerate(self.shards)
         ]
-        self.schedule = Schedule.for_run(run, total_steps=max(run.warmup_steps + 1, 10_000))
+        self.schedule = Schedule.for_run(run, total_steps=run.schedule_steps or 10_000)
         outer = build_outer_optimizer(
             run.outer_optimizer, lr=run.outer_lr, momentum=run.outer_momentum,
-            **({"buffer_size": run.dn_buffer_size or 1, "c": run.dn_c}
+            **({"buffer_size": run.dn_buffer_size or self.swarm.expected_peers or 1, "c": run.dn_c}
                if run.outer_optimizer == "delayed-nesterov" else {}),
         )  # fmt: skip
         self.state = ReplicatedState(
@@ -271,7 +327,10 @@ class SwarmPeer:
 
         The head is the highest version live peers advertise; among its state hashes the one
         most peers hold wins, ties broken by the larger hash (DESIGN §3 counts contributions;
-        peers on the branch are our proxy for that). The downloaded state must hash to it.
+        peers on the branch are our proxy for that). A peer a few versions behind replays the
+        missed updates from a donor's log when that costs less than the full state; otherwise
+        (or if the replay fails) it downloads the full state. Either way the result must hash to
+        the winning hash. A peer whose own branch lost contributes its last δ again.
         """
         heads = self._live_heads()
         mine = self.state.hash() if self._blob is None else self._blob.state_hash
@@ -289,28 +348,135 @@ class SwarmPeer:
         if top == self.state.version and want == mine:
             return False
         donors = [h.peer_id for h in others if h.version == top and h.state_hash == want]
-        random.Random(self.peer_id).shuffle(donors)
+        random.Random(f"{self.peer_id}/{top}").shuffle(donors)
+        old_version = self.state.version
+        t0 = time.time()
+        lost_fork = top == old_version  # same version, another hash: our branch lost
+        how, nbytes, donor_used = "", 0, ""
+        missed = top - old_version
+        model_bytes = 4 * sum(t.numel() for t in self.state.theta)
+        full_bytes = len(self._blob.data) if self._blob is not None else 0
+        if 0 < missed <= self.swarm.keep_updates and missed * model_bytes < full_bytes:
+            for donor in donors[:2]:
+                outcome = self._replay(donor, top, want)
+                if isinstance(outcome, int):
+                    how, nbytes, donor_used = "replay", outcome, donor
+                    break
+                if outcome == "fork":
+                    lost_fork = True
+                    break
+        if not how:
+            for donor in donors:
+                try:
+                    blob = download_state(
+                        self._net()[1], self._net()[3].run, donor, timeout_s=STATE_TIMEOUT_S
+                    )
+                    self._load_blob(blob.data)
+                except (StateTransferFailed, ConfigError) as e:
+                    log.warning("[%s] state from %s rejected: %s", self._tag(), donor[-6:], e)
+                    self._restore_blob()
+                    continue
+                if self.state.hash() != want:
+                    log.warning("[%s] state from %s has another hash", self._tag(), donor[-6:])
+                    self._restore_blob()
+                    continue
+                how, nbytes, donor_used = "download", len(blob.data), donor
+                break
+        if not how:
+            return False
+        self._snapshot()
+        self.wait_s += time.time() - t0
+        recontributed = self._recontribute_if_lost(lost_fork, old_version)
+        self.events.emit(
+            "catch_up", version=self.state.version, state_hash=want, group_size=0,
+            loss=self.last_loss, donor=donor_used, seconds=time.time() - t0, bytes=nbytes,
+            fork=lost_fork, method=how, from_version=old_version, recontributed=recontributed,
+        )  # fmt: skip
+        self._publish_head()
+        return True
+
+    def _replay(self, donor: str, top: int, want: str) -> int | str:
+        """Replay updates old_version..top-1 from `donor`'s log; the downloaded byte count on
+        success, "fork" if the donor's chain does not start from our state, "failed" otherwise.
+        On failure the state is restored from the cached blob of our version."""
         _, service, _, server = self._net()
-        for donor in donors:
-            t0 = time.time()
-            try:
-                blob = download_state(service, server.run, donor, timeout_s=STATE_TIMEOUT_S)
-                self._load_blob(blob.data)
-            except (StateTransferFailed, ConfigError) as e:
-                log.warning("[%s] state from %s rejected: %s", self.peer_id[-6:], donor[-6:], e)
-                continue
+        shapes = [tuple(t.shape) for t in self.state.theta]
+        nbytes = 0
+        replayed: list[UpdateRecord] = []
+        try:
+            for base in range(self.state.version, top):
+                data = download_update(service, server.run, donor, base, timeout_s=DHT_TIMEOUT_S)
+                nbytes += len(data)
+                record = UpdateRecord.from_bytes(data, shapes=shapes)
+                if record.base_version != base:
+                    raise ValueError(f"asked for version {base}, got {record.base_version}")
+                if record.base_hash != self.state.hash():
+                    if base == self._blob_version():
+                        self._restore_blob()
+                        return "fork"
+                    raise ValueError(f"update {base} does not extend version {base}")
+                self._apply_record(record)
+                replayed.append(record)
             if self.state.hash() != want:
-                log.warning("[%s] state from %s has another hash", self.peer_id[-6:], donor[-6:])
-                continue
-            self._snapshot()
-            self.events.emit(
-                "catch_up", version=self.state.version, state_hash=want, group_size=0,
-                loss=self.last_loss, donor=donor, seconds=time.time() - t0, bytes=len(blob.data),
-                fork=top == self.state.version,
-            )  # fmt: skip
-            self._publish_head()
-            return True
-        return False
+                raise ValueError("replayed state does not hash to the head's hash")
+        except (StateTransferFailed, ValueError, ConfigError) as e:
+            log.info("[%s] replay from %s failed: %s", self._tag(), donor[-6:], e)
+            self._restore_blob()
+            return "failed"
+        for record in replayed:
+            self._keep_record(record)
+        return nbytes
+
+    def _blob_version(self) -> int:
+        return self._blob.version if self._blob is not None else self.state.version
+
+    def _restore_blob(self) -> None:
+        """Back to the state of the cached blob (our last published version)."""
+        if self._blob is not None and self.state.hash() != self._blob.state_hash:
+            self._load_blob(self._blob.data)
+
+    def _recontribute_if_lost(self, lost_fork: bool, old_version: int) -> bool:
+        """Our branch lost: the δ that produced our old version goes into the next group."""
+        if not lost_fork or self._last_own is None or self._last_own[0] != old_version:
+            return False
+        own = self._last_own[1]
+        self._last_own = None
+        self._pending = own if self._pending is None else self._pending.merge(own)
+        log.warning(
+            "[%s] our branch at v%d lost a fork; our δ goes into the next group",
+            self._tag(), old_version,
+        )  # fmt: skip
+        return True
+
+    def _apply_record(self, record: UpdateRecord) -> None:
+        """Apply one replayed update; it must give the hash its record names."""
+        self.state.apply(list(record.average), record.count, record.shard_samples)
+        if self.state.hash() != record.result_hash:
+            raise ValueError(f"update {record.base_version} gives another state hash")
+
+    def _keep_record(self, record: UpdateRecord) -> None:
+        """Keep an applied update for others to replay (and on disk with --record-updates)."""
+        self.updates.append(record)
+        if self.spec.record_updates:
+            path = Path(self.spec.record_updates) / f"update-{record.base_version:08d}.safetensors"
+            data = self.updates.get(record.base_version) or record.to_bytes()
+            atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+    def _prepare_record_dir(self) -> None:
+        if not self.spec.record_updates:
+            return
+        folder = Path(self.spec.record_updates)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BadInput(
+                f"--record-updates folder {folder} is not usable ({e.strerror})"
+            ) from None
+        if any(folder.glob("update-*.safetensors")):
+            raise BadInput(f"--record-updates folder {folder} already holds updates; use a new one")
+
+    def _tag(self) -> str:
+        return f"{self.peer_id[-6:]} v{self.state.version}"
 
     def _checkpoint_manifest(self) -> SignedManifest | None:
         """The manifest stored in this peer's checkpoint, if there is a readable one."""
@@ -468,105 +634,209 @@ class SwarmPeer:
         return perplexity(evaluate_loss(self._eval_model, self.data.val))
 
     def _pick_shard(self) -> int:
+        if self.spec.shard >= 0:
+            return self.spec.shard
         probs = shard_probabilities([len(s) for s in self.shards], self.state.shard_samples)
         rng = random.Random(f"{self.peer_id}/{self.state.version}/{self.rounds_done}")
         return rng.choices(range(len(probs)), weights=probs)[0]
 
-    def _train(self) -> tuple[list[torch.Tensor], int, int, float]:
+    def _plan_steps(self, heads: dict[str, records.PeerHead]) -> int:
+        """H in sync mode; in async mode DyLU (Eq. 6) over the speeds live peers publish.
+
+        A peer that has not measured its own speed yet runs a short probe phase (H/4), so a
+        slow device learns it is slow before it holds the others up for a whole phase."""
+        h = self.run.inner_steps
+        if self.swarm.protocol == "sync":
+            return h
+        mine = self.trainer.speed.steps_per_s
+        if mine is None:
+            return max(1, h // 4)
+        speeds = {p: x.speed for p, x in heads.items() if p != self.peer_id and x.speed > 0}
+        speeds[self.peer_id] = mine
+        return dylu_steps(speeds, h)[self.peer_id]
+
+    def _train(self, steps: int) -> tuple[_Contribution, float]:
         shard = self._pick_shard()
-        steps = self.run.inner_steps
         start_step = self.state.shard_samples[shard] // self.run.batch_size
+        base = self.state.version
+        self._last_step_t = time.perf_counter()
 
         def on_step(i: int, loss: float) -> None:
+            if self.spec.throttle > 1.0:  # emulate a slower device: pad the step just taken
+                self._stop.wait(
+                    (self.spec.throttle - 1.0) * (time.perf_counter() - self._last_step_t)
+                )
+            self._last_step_t = time.perf_counter()
             self.on_step(i, steps, loss)
             if self._stop.is_set():
                 raise StopRequested
 
+        if not self._started_training:
+            self._t_first_train = time.time()
+        t0 = time.perf_counter()
         phase = self.trainer.run_phase(
             self.state.theta, steps, lambda: [self.streams[shard].next_batch()],
             self.schedule, start_step, on_step=on_step,
         )  # fmt: skip
-        return phase.delta, shard, phase.samples, phase.mean_loss
+        self.compute_s += time.perf_counter() - t0
+        self._started_training = True
+        return _Contribution(phase.delta, base, {shard: phase.samples}, steps), phase.mean_loss
+
+    def wait_for_expected_peers(self) -> None:
+        """Before the first round: wait until `expected_peers` are live (bounded), so that a
+        swarm started together trains together instead of the first peer running alone."""
+        want = self.swarm.expected_peers
+        if want <= 1 or self._started_training:
+            return
+        deadline = time.time() + self.swarm.start_timeout_s
+        shown = -1
+        while not self._stop.is_set():
+            live = len(set(self._live_heads()) | {self.peer_id})
+            if live >= want:
+                return
+            if live != shown:
+                log.info("[%s] %d of %d expected peers are live; waiting", self._tag(), live, want)
+                shown = live
+            if time.time() > deadline:
+                log.warning(
+                    "[%s] only %d of %d expected peers after %.0f s; training anyway",
+                    self._tag(), live, want, self.swarm.start_timeout_s,
+                )  # fmt: skip
+                return
+            self._stop.wait(1.0)
 
     def run_round(self) -> RoundReport | None:
         """One round; None when the contribution could not be applied this time."""
-        averager = self._net()[2]
         self.catch_up()
         if self.finished():
             return None
-        delta, shard, samples, loss = self._train()
+        mine, loss = self._train(self._plan_steps(self._live_heads()))
         self.last_loss = loss
-        if self._pending is not None:  # re-contribute what a failed group left behind
-            delta = [d + p for d, p in zip(delta, self._pending, strict=True)]
-        shard_samples = dict(self._pending_samples)
-        shard_samples[shard] = shard_samples.get(shard, 0) + samples
-        self.catch_up()  # peers may have moved on while we trained
-        heads = self._live_heads()
-        # Sync mode waits for every live peer, also those still behind: they catch up to this
-        # version before they contribute, and a group closed without them would leave them
-        # waiting out the sync timeout alone.
-        target = max(2, len(set(heads) | {self.peer_id}))
-        header = json.dumps(
-            {"peer": self.peer_id, "base_version": self.state.version, "steps": self.run.inner_steps,
-             "samples": samples, "shards": {str(k): v for k, v in shard_samples.items()}},
-            sort_keys=True,
-        ).encode()  # fmt: skip
-        weight = float(samples) if self.swarm.weighting == "samples" else 1.0
+        if self._pending is not None:  # re-contribute what a failed or losing group left
+            mine, self._pending = self._pending.merge(mine), None
         t0 = time.time()
+        self.catch_up()  # peers may have moved on while we trained
+        for _ in range(1 + self.swarm.staleness_limit):
+            outcome = self._contribute(mine, loss, t0)
+            if outcome != "retry":
+                return outcome
+        return self._keep(mine, "the swarm kept moving while we looked for a group", t0)
+
+    def _contribute(self, mine: _Contribution, loss: float, t0: float) -> RoundReport | None | str:
+        """Find a group at our version and apply its average; "retry" if the head moved on
+        while we waited (async), so the caller tries again at the new head."""
+        averager = self._net()[2]
+        staleness = self.state.version - mine.base_version
+        if staleness > self.swarm.staleness_limit:
+            self.dropped += 1
+            self.events.emit(
+                "dropped", version=self.state.version, state_hash=self.state.hash(),
+                group_size=0, loss=loss, staleness=staleness, steps=mine.steps,
+                limit=self.swarm.staleness_limit, dropped_total=self.dropped,
+            )  # fmt: skip
+            log.warning("[%s] δ of staleness %d dropped", self._tag(), staleness)
+            return None
+        heads = self._live_heads()
         others = [p for p in heads if p != self.peer_id]
         if not others:  # alone in the swarm: Lookahead mode, no one to wait for
-            return self._commit(delta, [self.peer_id], shard_samples, shard, loss, t0)
+            return self._commit(mine, [self.peer_id], None, loss, t0)
+        asynchronous = self.swarm.protocol == "async"
+        # Sync mode waits for every live peer, also those still behind: they catch up to this
+        # version before they contribute. Async mode waits for them at most the grace period.
+        target = min(self.swarm.group_size, len(others) + 1)
+        header = json.dumps(
+            {"peer": self.peer_id, "base_version": mine.base_version, "version": self.state.version,
+             "steps": mine.steps, "samples": sum(mine.shard_samples.values()),
+             "shards": {str(k): v for k, v in mine.shard_samples.items()}},
+            sort_keys=True,
+        ).encode()  # fmt: skip
+        weight = (
+            float(sum(mine.shard_samples.values())) if self.swarm.weighting == "samples" else 1.0
+        )
         self._publish_head(in_group=True)
+        waited = time.time()
         try:
             result = averager.average(
-                f"v{self.state.version}", delta, weight=weight, gather=header,
-                target_size=target, matchmaking_timeout_s=self.swarm.sync_timeout_s,
+                f"v{self.state.version}", mine.delta, weight=weight, gather=header,
+                target_size=max(2, target),
+                matchmaking_timeout_s=self.swarm.grace_s if asynchronous else self.swarm.sync_timeout_s,
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
             )  # fmt: skip
         except NoGroup:
-            # Not a reason to mark anyone absent: they may simply have been late. Only a group
-            # that formed without a peer shows it is gone (a lone decision here would fork).
-            return self._keep(delta, shard_samples, "no group formed")
+            self.wait_s += time.time() - waited
+            if not asynchronous:
+                # Not a reason to mark anyone absent: they may simply have been late. Only a
+                # group that formed without a peer shows it is gone (a lone decision would fork).
+                return self._keep(mine, "no group formed", t0)
+            # Async: nobody came within the grace period. If the swarm moved on meanwhile, go
+            # to its head and try there; otherwise apply our δ alone (a group of one).
+            if self.catch_up():
+                return "retry"
+            return self._commit(mine, [self.peer_id], None, loss, t0)
         except AllReduceFailed as e:
-            return self._keep(delta, shard_samples, f"all-reduce failed: {e}")
-        self._mark_absent(heads, present=result.members)
+            self.wait_s += time.time() - waited
+            return self._keep(mine, f"all-reduce failed: {e}", t0)
+        self.wait_s += time.time() - waited
+        if not asynchronous:
+            self._mark_absent(heads, present=result.members)
         group_shards: dict[int, int] = {}
-        for blob in result.gathered.values():
+        stalenesses: dict[str, int] = {}
+        for member, blob in result.gathered.items():
             try:
-                for k, v in json.loads(blob)["shards"].items():
+                doc = json.loads(blob)
+                for k, v in doc["shards"].items():
                     group_shards[int(k)] = group_shards.get(int(k), 0) + int(v)
+                stalenesses[member[-8:]] = self.state.version - int(doc["base_version"])
             except (ValueError, KeyError, TypeError, AttributeError):
                 log.warning("ignoring a malformed contribution header")
-        return self._commit(result.average, result.members, group_shards, shard, loss, t0)
+        return self._commit(mine, result.members, result, loss, t0, group_shards, stalenesses)
 
     def _commit(
         self,
-        average: list[torch.Tensor],
+        mine: _Contribution,
         members: list[str],
-        group_shards: dict[int, int],
-        shard: int,
+        result: Any,
         loss: float,
         t0: float,
+        group_shards: dict[int, int] | None = None,
+        stalenesses: dict[str, int] | None = None,
     ) -> RoundReport:
-        """Apply the group's average: version v -> v+1, identical on every member."""
+        """Apply the group's average (ours alone when `result` is None): v -> v+1, identical on
+        every member."""
         comm_s = time.time() - t0
-        self.state.apply(average, len(members), group_shards)
-        self._pending, self._pending_samples = None, {}
+        base_version, base_hash = self.state.version, self._blob_hash()
+        average = mine.delta if result is None else result.average
+        shards = mine.shard_samples if group_shards is None else group_shards
+        staleness = base_version - mine.base_version
+        self.state.apply(average, len(members), shards)
+        record = UpdateRecord(
+            base_version=base_version, base_hash=base_hash, result_hash=self.state.hash(),
+            count=len(members), shard_samples=dict(shards),
+            average=tuple(a.to("cpu", torch.float32).contiguous() for a in average),
+            info={"members": ",".join(members)},
+        )  # fmt: skip
+        self._keep_record(record)
+        self._last_own = (self.state.version, mine)
         self.rounds_done += 1
         self.contributions += 1
         self._snapshot()
         self._publish_head()
-        numel = sum(t.numel() for t in average)
-        k = len(members)
+        every = self.swarm.eval_every
+        ppl = self.eval_ppl() if every and self.state.version % every == 0 else None
         report = RoundReport(
-            version=self.state.version, state_hash=self._blob.state_hash if self._blob else "",
-            group_size=k, loss=loss, ppl=self.eval_ppl(), comm_s=comm_s,
-            payload_bytes=int(2 * 4 * numel * (k - 1) / k), members=members,
+            version=self.state.version, state_hash=record.result_hash, group_size=len(members),
+            loss=loss, ppl=ppl, comm_s=comm_s,
+            bytes_sent=getattr(result, "bytes_sent", 0), bytes_received=getattr(result, "bytes_received", 0),
+            steps=mine.steps, staleness=staleness, members=members,
         )  # fmt: skip
         self.events.emit(
             "round", version=report.version, state_hash=report.state_hash,
             group_size=report.group_size, loss=report.loss, ppl=report.ppl, comm_s=report.comm_s,
-            payload_bytes=report.payload_bytes, members=members, shard=shard,
+            bytes_sent=report.bytes_sent, bytes_received=report.bytes_received, members=members,
+            shards={str(k): v for k, v in mine.shard_samples.items()}, steps=mine.steps,
+            staleness=staleness, group_staleness=stalenesses or {self.peer_id[-8:]: staleness},
+            compute_s=self.compute_s, wait_s=self.wait_s, dropped=self.dropped,
+            speed=self.trainer.speed.steps_per_s,
         )  # fmt: skip
         every = self.swarm.checkpoint_every
         if every and self.rounds_done % every == 0:
@@ -574,37 +844,41 @@ class SwarmPeer:
         self.on_round(report)
         return report
 
+    def _blob_hash(self) -> str:
+        return self.state.hash() if self._blob is None else self._blob.state_hash
+
     def _mark_absent(self, expected: dict[str, records.PeerHead], present: list[str]) -> None:
         now = time.time()
         for peer in expected:
             if peer not in present:
                 self._absent[peer] = now
 
-    def _keep(self, delta: list[torch.Tensor], shard_samples: dict[int, int], why: str) -> None:
-        self._pending, self._pending_samples = delta, shard_samples
+    def _keep(self, mine: _Contribution, why: str, t0: float) -> None:
+        self._pending = mine
         self.events.emit(
             "round_failed", version=self.state.version, state_hash=self.state.hash(),
-            group_size=0, loss=self.last_loss, reason=why,
+            group_size=0, loss=self.last_loss, reason=why, seconds=time.time() - t0,
         )  # fmt: skip
-        log.warning(
-            "[%s round=%d] %s; δ kept for the next group",
-            self.peer_id[-6:],
-            self.state.version,
-            why,
-        )
+        log.warning("[%s] %s; δ kept for the next group", self._tag(), why)
         return None
 
     def finished(self) -> bool:
-        """--max-rounds reached, --until-version reached, or a stop was requested."""
+        """--max-rounds, --until-version or --until-steps reached, or a stop was requested."""
         spec = self.spec
         return (
             self._stop.is_set()
             or bool(spec.max_rounds and self.rounds_done >= spec.max_rounds)
             or bool(spec.until_version and self.state.version >= spec.until_version)
+            or bool(spec.until_steps and self.applied_steps() >= spec.until_steps)
         )
+
+    def applied_steps(self) -> int:
+        """Local steps the swarm state holds, all peers together (from the shard counters)."""
+        return sum(self.state.shard_samples) // self.run.batch_size
 
     def run_loop(self) -> None:
         try:
+            self.wait_for_expected_peers()
             while not self.finished():
                 self.run_round()
         except StopRequested:
@@ -623,6 +897,11 @@ class SwarmPeer:
                 self.events.emit(
                     "stop", version=self.state.version, state_hash=self.state.hash(),
                     group_size=0, loss=self.last_loss, rounds_done=self.rounds_done,
+                    ppl=self.eval_ppl(), compute_s=self.compute_s, wait_s=self.wait_s,
+                    dropped=self.dropped, shard_samples=self.state.shard_samples,
+                    applied_steps=self.applied_steps(),
+                    data_share=[len(x) / len(self.data.train) for x in self.shards],
+                    active_s=time.time() - self._t_first_train if self._started_training else 0.0,
                 )  # fmt: skip
         finally:
             for part in (self.server, self.averager, self.service):

@@ -267,7 +267,8 @@ class Simulator:
         k = spec.workers
         shards = self._shards(r.num_shards or k)
         streams = self._streams(shards)
-        schedules = [Schedule.for_run(r, spec.total_steps // len(shards)) for _ in shards]
+        horizon = r.schedule_steps or spec.total_steps // len(shards)
+        schedules = [Schedule.for_run(r, horizon) for _ in shards]
         shard_steps = [0] * len(shards)
         workers = self._workers(k)
         outer = self._outer(r.outer_optimizer, buffer_size=r.dn_buffer_size or k)
@@ -326,7 +327,8 @@ class Simulator:
         shards = self._shards(r.num_shards or k)
         streams = self._streams(shards)
         sizes = [len(s) for s in shards]
-        schedules = [Schedule.for_run(r, spec.total_steps // len(shards)) for _ in shards]
+        horizon = r.schedule_steps or spec.total_steps // len(shards)
+        schedules = [Schedule.for_run(r, horizon) for _ in shards]
         shard_steps, shard_samples = [0] * len(shards), [0] * len(shards)
         sampler = ShardSampler(sizes, seed=r.seed)
         workers = self._workers(k)

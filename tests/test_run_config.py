@@ -1,0 +1,43 @@
+"""Run configs: the TOML the demo writes reads back as the same run; async needs a grace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diloco_peer.config import PeerSpec, RunSpec
+from diloco_peer.coordinator_free.manifest import SwarmSettings, dump_run_config, load_run_config
+from diloco_peer.errors import ConfigError
+
+
+def test_dump_run_config_round_trips(tmp_path: Path) -> None:
+    run = RunSpec(model="nano", data='a "quoted" path\\x', schedule_steps=30, outer_lr=1.0)
+    swarm = SwarmSettings(protocol="async", expected_peers=4, grace_s=2.5, weighting="samples")
+    path = tmp_path / "run.toml"
+    path.write_text(dump_run_config(run, swarm))
+    assert load_run_config(path) == (run, swarm)
+
+
+def test_async_needs_a_positive_grace_period() -> None:
+    with pytest.raises(ConfigError, match="grace_s"):
+        SwarmSettings(protocol="async", grace_s=0.0)
+    SwarmSettings(protocol="sync", grace_s=0.0)  # sync never uses it
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("expected_peers", -1), ("keep_updates", -1), ("eval_every", -2), ("start_timeout_s", -1.0)],
+)
+def test_bad_swarm_settings_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=field):
+        SwarmSettings(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("shard", -2), ("throttle", 0.5), ("throttle", float("inf")), ("until_steps", -1)],
+)
+def test_bad_peer_flags_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ConfigError):
+        PeerSpec(**{field: value})
