@@ -12,7 +12,11 @@ held-out perplexity, applied steps, each peer's idle fraction, and each shard's 
 trained samples against its share of the data. The acceptance checks of issue 4 compare async
 against sync measured in the same run; failing checks are reported, and the exit status is 0.
 It is 1 only if a run failed: crashed or timed out, printed no JSON, or ended with peers whose
-state hashes disagree. Such a run is listed with its reason and left out of the medians.
+state hashes disagree. Such a run is listed with its reason and left out of the medians
+(unless no run of that protocol succeeded: then its medians are given, marked invalid).
+
+Defaults (nano, H = 50, 1000 steps: five sync rounds) keep one sync+async pair at about 8
+minutes on an idle 2-core machine, 12 under load.
 
 Prints a table to stderr and one JSON line to stdout; --json also writes the document to a
 file, --markdown writes (or replaces) this bench's own section of the results page.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import statistics
@@ -49,8 +54,8 @@ class RunFailed(Exception):
     """A demo run that gave no usable result: crashed, timed out or printed no JSON."""
 
 
-def run_demo(protocol: str, a: argparse.Namespace) -> tuple[dict[str, Any], float]:
-    """One `diloco-peer demo` run; its JSON document and the bench's wall time for it.
+def run_demo(protocol: str, a: argparse.Namespace) -> dict[str, Any]:
+    """One `diloco-peer demo` run; its JSON document.
 
     The demo enforces --timeout-s itself (it stops every peer, whose processes live in their own
     sessions). The bench's own limit is a backstop: SIGINT lets the demo's cleanup run, SIGKILL
@@ -61,7 +66,6 @@ def run_demo(protocol: str, a: argparse.Namespace) -> tuple[dict[str, Any], floa
         "-H", str(a.inner_steps), "--total-steps", str(a.total_steps),
         "--timeout-s", str(a.timeout_s), "--json",
     ]  # fmt: skip
-    t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=a.timeout_s + 120)
@@ -73,12 +77,11 @@ def run_demo(protocol: str, a: argparse.Namespace) -> tuple[dict[str, Any], floa
             proc.kill()
             proc.communicate()
         raise RunFailed(f"no exit within {a.timeout_s + 120:.0f} s; interrupted") from None
-    elapsed = time.time() - t0
     if proc.returncode != 0:
         tail = " | ".join(err.strip().splitlines()[-3:])[-400:]
         raise RunFailed(f"exit code {proc.returncode}: {tail}")
     try:
-        return json.loads(out), elapsed
+        return json.loads(out)
     except json.JSONDecodeError:
         raise RunFailed(f"no JSON on stdout (got {out.strip()[:200]!r})") from None
 
@@ -162,8 +165,9 @@ def metrics(doc: dict[str, Any]) -> dict[str, Any]:
         "idle_max": max(idle) if len(idle) == len(peers) else None,
         "shards": shards,
         "shard_abs_dev_pp_max": max((abs(s["abs_dev_pp"]) for s in shards), default=None),
-        "shard_rel_dev_max": max((abs(s["rel_dev"]) for s in shards if s["rel_dev"] is not None),
-                                 default=None),  # fmt: skip
+        "shard_rel_dev_max": max(
+            (abs(s["rel_dev"]) for s in shards if s["rel_dev"] is not None), default=None
+        ),
     }
 
 
@@ -173,11 +177,17 @@ def _median(values: list[Any]) -> float | None:
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Medians over the successful runs of one protocol (the values themselves for one run)."""
+    """Medians over the successful runs of one protocol (the values themselves for one run).
+
+    If no run succeeded but some finished with disagreeing states, their medians are given
+    with `valid` False, so that the numbers are still seen, marked as such."""
     ms = [r["metrics"] for r in runs if r["ok"]]
+    valid = bool(ms)
+    if not ms:
+        ms = [r["metrics"] for r in runs if r.get("metrics")]
     if not ms:
         return None
-    out: dict[str, Any] = {"runs": len(ms)}
+    out: dict[str, Any] = {"runs": len(ms), "valid": valid}
     for key in ("wall_s", "active_max_s", "ppl_before", "ppl_after", "applied_steps",
                 "final_version", "idle_max", "shard_abs_dev_pp_max", "shard_rel_dev_max"):  # fmt: skip
         out[key] = _median([m[key] for m in ms])
@@ -203,6 +213,13 @@ def checks(sync: dict[str, Any] | None, asyn: dict[str, Any] | None) -> dict[str
         missing = "sync" if sync is None else "async"
         return {"all": {"passed": None, "detail": f"not evaluated: no successful {missing} run"}}
     out: dict[str, Any] = {}
+    invalid = [name for name, x in (("sync", sync), ("async", asyn)) if not x["valid"]]
+    if invalid:
+        out["caveat"] = {
+            "passed": None,
+            "detail": f"no {' or '.join(invalid)} run ended with agreeing states; the checks "
+            "below use such runs and are not valid evidence",
+        }
     ratio = asyn["ppl_after"] / sync["ppl_after"]
     out["1 ppl"] = {
         "passed": ratio <= PPL_RATIO_MAX, "async_ppl": asyn["ppl_after"],
@@ -217,9 +234,9 @@ def checks(sync: dict[str, Any] | None, asyn: dict[str, Any] | None) -> dict[str
         "sync_s": sync["active_max_s"], "reduction": reduction,
         "demo_wall_reduction": demo_reduction,
         "detail": f"max active_s async {asyn['active_max_s']:.1f} s vs sync "
-                  f"{sync['active_max_s']:.1f} s: {100 * reduction:.1f}% shorter (need >= "
+                  f"{sync['active_max_s']:.1f} s: reduction {100 * reduction:.1f}% (need >= "
                   f"{100 * WALL_REDUCTION_MIN:.0f}%); demo wall_s {asyn['wall_s']:.1f} vs "
-                  f"{sync['wall_s']:.1f} s: {100 * demo_reduction:.1f}% shorter",
+                  f"{sync['wall_s']:.1f} s: reduction {100 * demo_reduction:.1f}%",
     }  # fmt: skip
     idle = {p["name"]: p["idle_fraction"] for p in asyn["peers"]}
     out["3 async idle"] = {
@@ -263,18 +280,37 @@ def _verdict(passed: bool | None) -> str:
     return {True: "PASS", False: "FAIL", None: "report"}[passed]
 
 
+def _digest_rows(digest: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for name, d in digest.items():
+        n = len(d["rounds"])
+        wait = statistics.fmean([r["wait_s"] for r in d["rounds"]]) if n else None
+        rows.append((name, " | ".join([
+            str(n), _f(d["mean_steps"]), _f(d["mean_group_size"], 2), str(d["max_staleness"]),
+            _f(wait, 2), _f(d["comm_s_total"]),
+            f"{len(d['catch_ups'])} ({d['catch_up_s_total']:.1f})",
+            str(d["failed_rounds"] + d["dropped"]),
+        ])))  # fmt: skip
+    return rows
+
+
 def report(doc: dict[str, Any]) -> str:
     """The readable table for stderr."""
     lines = []
     for r in doc["runs"]:
         state = "ok" if r["ok"] else f"FAILED: {r['error']}"
-        lines.append(f"repeat {r['repeat']} {r['protocol']:5s} {state} ({r['bench_s']:.0f} s)")
+        lines.append(
+            f"repeat {r['repeat']} {r['protocol']:5s} {state} ({r['bench_s']:.0f} s, load "
+            f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f})"
+        )
     for protocol in PROTOCOLS:
         s = doc["summary"][protocol]
         lines.append("")
         if s is None:
             lines.append(f"== {protocol}: no successful run")
             continue
+        if not s["valid"]:
+            lines.append(f"== {protocol}: NO RUN ENDED WITH AGREEING STATES; medians of those")
         lines.append(
             f"== {protocol} (median of {s['runs']}): max active {_f(s['active_max_s'])} s, "
             f"demo wall {_f(s['wall_s'])} s, ppl {_f(s['ppl_before'], 2)} -> "
@@ -299,6 +335,15 @@ def report(doc: dict[str, Any]) -> str:
             f"max shard deviation: {_f(s['shard_abs_dev_pp_max'], 2)} pp, "
             f"{_pct(s['shard_rel_dev_max'])} relative"
         )
+        first = next(
+            r for r in doc["runs"] if r["protocol"] == protocol and r.get("metrics")
+            and (r["ok"] or not s["valid"])
+        )  # fmt: skip
+        lines.append(
+            f"per-round digest (repeat {first['repeat']}): rounds | mean steps | mean group | "
+            "max staleness | mean wait s/round | comm s | catch-ups (s) | failed+dropped"
+        )
+        lines += [f"  {name}: {row}" for name, row in _digest_rows(first["rounds"])]
     lines += ["", "== acceptance checks"]
     for name, c in doc["checks"].items():
         lines.append(f"[{_verdict(c['passed'])}] {name}: {c['detail']}")
@@ -321,21 +366,29 @@ def render(doc: dict[str, Any]) -> str:
         "machine, talking over loopback (127.0.0.1). Heterogeneity is emulated by throttling: "
         "after each inner step a slow peer sleeps (throttle − 1) × the step's time, so it runs "
         "its throttle factor slower. The peers share the cores, so a peer's unthrottled step "
-        "time also depends on how many others compute at the same moment.",
+        "time also depends on how many others compute at the same moment, and on whatever else runs "
+        "on the machine (see the load averages under the runs).",
         "",
     ]
-    failed = [r for r in doc["runs"] if not r["ok"]]
-    if failed:
-        lines += ["Failed runs (left out of the medians):", ""]
-        lines += [f"- repeat {r['repeat']} {r['protocol']}: {r['error']}" for r in failed]
-        lines.append("")
+    lines += ["Runs (1-minute load average of the machine before → after each):", ""]
+    for r in doc["runs"]:
+        state = "ok" if r["ok"] else f"**failed**: {r['error']}"
+        lines.append(
+            f"- repeat {r['repeat']} {r['protocol']}: {state}; {r['bench_s']:.0f} s; load "
+            f"{r['loadavg_before'][0]:.1f} → {r['loadavg_after'][0]:.1f}"
+        )
+    lines += ["", "Failed runs are left out of the medians (unless no run of that protocol "
+              "succeeded; then the medians say so).", ""]  # fmt: skip
     for protocol, title in (("sync", "Sync DiLoCo (barrier)"),
                             ("async", "Async: DyLU + grace-period groups + Delayed Nesterov")):  # fmt: skip
         s = doc["summary"][protocol]
         lines += [f"### {title}", ""]
         if s is None:
-            lines += ["No successful run.", ""]
+            lines += ["No run produced a result.", ""]
             continue
+        if not s["valid"]:
+            lines += ["**No run ended with agreeing states**; the numbers below are the medians "
+                      "of runs whose peers finished on different states.", ""]  # fmt: skip
         lines += [
             f"Wall-clock {s['active_max_s']:.1f} s (longest peer's active time; the demo's "
             f"wall time incl. start-up {s['wall_s']:.1f} s), held-out ppl "
@@ -361,6 +414,21 @@ def render(doc: dict[str, Any]) -> str:
                 f"| {x['shard']} | {_f(x['samples'], 0)} | {100 * x['trained_share']:.2f}% "
                 f"| {100 * x['data_share']:.2f}% | {x['abs_dev_pp']:+.2f} | {_pct(x['rel_dev'])} |"
             )
+        lines.append("")
+        first = next(
+            r for r in doc["runs"] if r["protocol"] == protocol and r.get("metrics")
+            and (r["ok"] or not s["valid"])
+        )  # fmt: skip
+        lines += [
+            f"Per-round digest from the peers' event logs (repeat {first['repeat']}): mean "
+            "steps and group size per round, largest staleness, mean wait per round (`wait_s` "
+            "differences), total `comm_s` (training end to commit), catch-ups.",
+            "",
+            "| peer | rounds | mean steps | mean group | max staleness | mean wait s/round "
+            "| comm s | catch-ups (s) | failed rounds |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [f"| {name} | {row} |" for name, row in _digest_rows(first["rounds"])]
         lines.append("")
     lines += ["### Acceptance checks", ""]
     lines += [f"- {name}: **{_verdict(c['passed'])}**: {c['detail']}"
@@ -403,7 +471,7 @@ def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="nano", help="model preset (tiny is ~5× slower per step)")
+    p.add_argument("--model", default="nano", help="model preset of the built-in run")
     p.add_argument("-H", "--inner-steps", type=int, default=50, help="H, the fastest peer's steps")
     p.add_argument("--total-steps", type=int, default=1000,
                    help="applied local steps to train to, both protocols")  # fmt: skip
@@ -422,12 +490,14 @@ def main() -> int:
     for repeat in range(a.repeats):
         for protocol in PROTOCOLS:  # alternate, so slow drift of the machine hits both alike
             print(f"[bench] repeat {repeat} {protocol} ...", file=sys.stderr, flush=True)
-            row: dict[str, Any] = {"repeat": repeat, "protocol": protocol, "ok": False}
+            row: dict[str, Any] = {"repeat": repeat, "protocol": protocol, "ok": False,
+                                   "loadavg_before": os.getloadavg()}  # fmt: skip
             t_run = time.time()
             try:
-                demo, _ = run_demo(protocol, a)
+                demo = run_demo(protocol, a)
             except RunFailed as e:
-                row |= {"error": str(e), "bench_s": time.time() - t_run}
+                row |= {"error": str(e), "bench_s": time.time() - t_run,
+                        "loadavg_after": os.getloadavg()}  # fmt: skip
                 runs.append(row)
                 print(f"[bench]   failed: {e}", file=sys.stderr, flush=True)
                 continue
@@ -441,6 +511,7 @@ def main() -> int:
                 error = f"peers exited non-zero: {', '.join(bad_exit)}"
             row |= {
                 "ok": error is None, "error": error, "bench_s": time.time() - t_run,
+                "loadavg_after": os.getloadavg(),
                 "logs": demo.get("logs"), "metrics": m,
                 "rounds": round_digest(demo.get("logs"), names),
             }  # fmt: skip
@@ -470,8 +541,6 @@ def main() -> int:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 

@@ -90,6 +90,12 @@ class RunSpec:
     schedule_steps: int = 0
     """T of each shard's cosine schedule (ALGORITHMS §2.6); 0 derives it: the simulator uses
     total_steps / shards, a swarm (whose length is open-ended) 10,000."""
+    compression: str = "none"
+    """Pseudo-gradient encoding on the wire: none (fp32), fp16, int8 or int4 (blockwise absmax,
+    averaging/compression.py). Lossy codecs round each contribution and the group's average."""
+    prune_fraction: float = 0.0
+    """In [0, 1): each peer zeroes this fraction of the smallest magnitudes of each tensor of its
+    pseudo-gradient before sending it (DiLoCo Table 6); saves no bytes with these codecs."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -104,6 +110,10 @@ class RunSpec:
             _non_negative(name, getattr(self, name))
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        # the names of averaging/compression.py's COMPRESSIONS (config imports nothing above it)
+        _choice("compression", self.compression, ("none", "fp16", "int8", "int4"))
+        if not 0 <= self.prune_fraction < 1:
+            raise ConfigError(f"prune_fraction must be in [0, 1), got {self.prune_fraction}")
         if not 0 < self.inner_min_lr_ratio <= 1:
             raise ConfigError(
                 f"inner_min_lr_ratio must be in (0, 1], got {self.inner_min_lr_ratio}"
@@ -200,7 +210,8 @@ class PeerSpec:
     """Key file from `diloco-peer keygen`; None makes a throwaway identity."""
     device: str = "auto"
     micro_batch_size: int = 0
-    """Sequences per forward/backward; 0 means the run's batch (no accumulation)."""
+    """Sequences per forward/backward; 0 means the run's batch (no accumulation); -1 picks the
+    largest that fits the device's memory (probed on CUDA; the run's batch on CPU)."""
     checkpoint_dir: str | None = None
     max_rounds: int = 0
     """Stop after this many applied rounds; 0 runs until interrupted."""
@@ -223,13 +234,33 @@ class PeerSpec:
     """Emulate a slower device: pad each inner step so the peer runs this many times slower."""
     record_updates: str | None = None
     """Debug: write every update this peer applies (average, count, shards) to this folder."""
+    max_hours: float = 0.0
+    """Stop (checkpoint, leave) after this many hours; 0 means no limit."""
+    metrics_port: int = -1
+    """Serve Prometheus metrics on this port (0 picks one); -1 serves none."""
+    metrics_host: str = "127.0.0.1"
+    """Interface of the metrics endpoint."""
+    tensorboard: str | None = None
+    """Write TensorBoard event files (one scalar per metric per round) into this folder."""
+    gpu_memory_fraction: float = 1.0
+    """CUDA only: the share of the GPU's memory this peer may use (the rest stays free)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        for name in ("micro_batch_size", "max_rounds", "until_version", "until_steps", "threads"):
+        if self.micro_batch_size < -1:
+            raise ConfigError(f"--batch-size must be 'auto' or >= 0, got {self.micro_batch_size}")
+        for name in ("max_rounds", "until_version", "until_steps", "threads"):
             _non_negative(name, getattr(self, name))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
+        if not (0 <= self.max_hours < float("inf")):
+            raise ConfigError(f"--max-hours must be a finite number >= 0, got {self.max_hours}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ConfigError(
+                f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+            )
         if self.shard < -1:
             raise ConfigError(f"--shard must be >= 0, got {self.shard}")
         if not (self.throttle >= 1.0 and self.throttle < float("inf")):

@@ -8,7 +8,7 @@ The first stdin line is {"op": "join", "initial_peers": [...]} (sent once a firs
 every peer imports torch and hivemind meanwhile); the answer is {"op": "ready", "peer": ...,
 "maddrs": [...]}. Then one JSON command per stdin line, one answer each:
 
-    {"op": "average", "averager": "fp32"|"fp16", "key": "v0", "seed": 1, "scale": 0.25,
+    {"op": "average", "averager": "fp32"|"fp16"|"int8"|"int4"|"int8_prune50", "key": "v0", "seed": 1, "scale": 0.25,
      "shapes": [[3, 4], ...], "weight": 1.0, "target_size": 3, "matchmaking_timeout_s": 5,
      "allreduce_timeout_s": 10, "die_after_group": false}
         -> {"op": "average", "ok": true, "sha256": ..., "path": <safetensors file>, ...}
@@ -133,6 +133,11 @@ def main() -> None:
 
         averagers["fp32"] = GroupAverager(service, "t32", on_group=on_group)
         averagers["fp16"] = GroupAverager(service, "t16", compression="fp16")
+        averagers["int8"] = GroupAverager(service, "t8", compression="int8")
+        averagers["int4"] = GroupAverager(service, "t4", compression="int4")
+        averagers["int8_prune50"] = GroupAverager(
+            service, "t8p", compression="int8", prune_fraction=0.5
+        )
         for averager in averagers.values():
             averager.start()
         for averager in averagers.values():

@@ -3,8 +3,9 @@
 Each peer is tests/_averager_peer.py in its own process group (its DHT process and p2p daemon
 included), driven by JSON lines on stdin; every group is SIGKILLed in `finally`, whatever the
 outcome. Contributions are `scale * randn` from per-peer seeds, so the true weighted mean is
-recomputed here and every member's result is compared with it and with the other members' bits,
-and every member's measured part-stream traffic with the frames the protocol sends.
+recomputed here and every member's result is compared with it (within the codec's rounding), with
+the other members' bits, with the simulator's in-memory all-reduce of the same inputs (bit for
+bit), and every member's measured part-stream traffic with the frames the protocol sends.
 """
 
 from __future__ import annotations
@@ -35,21 +36,38 @@ from diloco_peer.averaging.allreduce import (
     AllReduceFailed,
     PartExchange,
     _Round,
+    all_reduce_in_memory,
     decode,
     encode,
     key_tag,
     part_sizes,
     reduce_part,
 )
-from diloco_peer.averaging.group_averager import GroupAverager
+from diloco_peer.averaging.compression import (
+    BLOCK_SIZE,
+    Compression,
+    encoded_size,
+    prune,
+    quantization_step,
+)
+from diloco_peer.averaging.group_averager import GroupAverager, _flatten
 from diloco_peer.averaging.matchmaking import group_digest, pack_gather, validate_group
 
 PEER_SCRIPT = Path(__file__).with_name("_averager_peer.py")
 SHAPES = [[300_000], [17, 33], [5], [2, 3, 4]]
-NUMEL = sum(math.prod(shape) for shape in SHAPES)
+SIZES = [math.prod(shape) for shape in SHAPES]
+NUMEL = sum(SIZES)
 SCALE = 0.25  # pseudo-gradient-like values: |x| < 2, where fp16's rounding error stays < 1e-3
 READY_TIMEOUT_S = 60.0
 SLACK_S = 3.0
+# each peer process's averagers (tests/_averager_peer.py): codec and prune fraction
+AVERAGERS: dict[str, tuple[Compression, float]] = {
+    "fp32": ("none", 0.0),
+    "fp16": ("fp16", 0.0),
+    "int8": ("int8", 0.0),
+    "int4": ("int4", 0.0),
+    "int8_prune50": ("int8", 0.5),
+}
 
 
 # --------------------------------------------------------------------------- the peer processes
@@ -174,28 +192,74 @@ def contribution(seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator) * SCALE for shape in SHAPES]
 
 
-def true_mean(seeds: list[int], weights: list[float]) -> list[torch.Tensor]:
-    """Σ w_i x_i / Σ w_i in float64."""
-    inputs = [contribution(s) for s in seeds]
+def sent(seed: int, prune_fraction: float = 0.0) -> torch.Tensor:
+    """A member's contribution as it goes on the wire: each tensor pruned, then flattened."""
+    return torch.cat([prune(t.reshape(-1), prune_fraction) for t in contribution(seed)])
+
+
+def true_mean(
+    seeds: list[int], weights: list[float], prune_fraction: float = 0.0
+) -> list[torch.Tensor]:
+    """Σ w_i x_i / Σ w_i in float64 (x_i pruned as its sender prunes it)."""
+    inputs = [sent(s, prune_fraction).double() for s in seeds]
     total = math.fsum(weights)
-    return [
-        sum(w * x[i].double() for w, x in zip(weights, inputs, strict=True)) / total
-        for i in range(len(SHAPES))
-    ]
+    mean = sum(w * x for w, x in zip(weights, inputs, strict=True)) / total
+    return [part.view(shape) for part, shape in zip(mean.split(SIZES), SHAPES, strict=True)]
 
 
-def check_traffic(peers: list[Peer], answers: list[dict[str, Any]], itemsize: int) -> None:
+def rounding_bound(values: torch.Tensor, k: int, compression: Compression) -> torch.Tensor:
+    """Per value of a flat vector sent to a group of k, the worst error of its encoding: half a
+    quantization step of its block, blocks restarting at each of the k parts (fp32 rounding of
+    the scale and the product included); zero for fp32, half an fp16 ulp for fp16."""
+    values = values.double().abs()
+    if compression == "none":
+        return torch.zeros_like(values)
+    if compression == "fp16":
+        return values * 2.0**-11 + 2.0**-25  # half an ulp, subnormals included
+    step = quantization_step(compression)
+    assert step is not None
+    bounds = []
+    for part in values.tensor_split(k):
+        blocks = torch.zeros(-(-part.numel() // BLOCK_SIZE) * BLOCK_SIZE, dtype=torch.float64)
+        blocks[: part.numel()] = part
+        absmax = blocks.view(-1, BLOCK_SIZE).amax(dim=1).repeat_interleave(BLOCK_SIZE)
+        bounds.append(absmax[: part.numel()] * (step / 2 * (1 + 1e-5) + 4 * 2.0**-23))
+    return torch.cat(bounds)
+
+
+def average_bound(
+    seeds: list[int], weights: list[float], compression: Compression, prune_fraction: float
+) -> torch.Tensor:
+    """Per value, how far a group's result may be from the true mean: each member's part is
+    rounded (a weighted mean of those errors), the reduced average rounded once more (around
+    a value within the first error of the true mean), plus fp32 reduction error."""
+    k, total = len(seeds), math.fsum(weights)
+    first = (
+        sum(
+            w * rounding_bound(sent(s, prune_fraction), k, compression)
+            for s, w in zip(seeds, weights, strict=True)
+        )
+        / total
+    )
+    mean = torch.cat([t.reshape(-1) for t in true_mean(seeds, weights, prune_fraction)])
+    second = rounding_bound(mean.abs() + first, k, compression)
+    return first + second + 1e-6 * (mean.abs() + 1)
+
+
+def check_traffic(
+    peers: list[Peer], answers: list[dict[str, Any]], compression: Compression
+) -> None:
     """Each member's measured bytes: near the butterfly's 2·b·n·(k−1)/k each way, exactly the
     frames (8-byte length prefix + payload) the protocol sends, and every byte sent was read."""
     k = len(peers)
-    ideal = 2 * itemsize * NUMEL * (k - 1) / k
+    ideal = 2 * encoded_size(NUMEL, compression) * (k - 1) / k
     sizes = part_sizes(NUMEL, k)
 
     def part(size: int) -> int:  # sender -> reducer: header frame, then the part's frame
-        return 8 + _PART_HEADER.size + 8 + itemsize * size
+        return 8 + _PART_HEADER.size + 8 + encoded_size(size, compression)
 
     def answer(size: int) -> int:  # reducer -> sender: b"OK" + the averaged part
-        return 8 + 2 + itemsize * size
+        return 8 + 2 + encoded_size(size, compression)
 
     members = sorted(p.peer_id for p in peers)
     for peer, result in zip(peers, answers, strict=True):
@@ -217,10 +281,12 @@ def check_round(
     seeds: list[int],
     weights: list[float],
     tolerance: float,
-    itemsize: int = 4,
+    averager: str = "fp32",
 ) -> None:
-    """Every member succeeded with the same bits, equal to the true weighted mean, and its
-    traffic was counted exactly (`itemsize`: 4 for fp32 on the wire, 2 for fp16)."""
+    """Every member succeeded with the same bits, within `tolerance` of the true weighted mean
+    and within the rounding bound of the averager's codec, bit-identical to the simulator's
+    in-memory all-reduce, and its traffic was counted exactly."""
+    compression, prune_fraction = AVERAGERS[averager]
     for answer, peer in zip(answers, peers, strict=True):
         assert answer["ok"], f"peer {peer.index}: {answer}\n{peer.log_tail()}"
     assert len({a["sha256"] for a in answers}) == 1, "members hold different bits"
@@ -232,10 +298,22 @@ def check_round(
         assert answer["gathered"] == {i: f"seed={s}" for i, s in zip(ids, seeds, strict=True)}
         assert answer["shapes"] == SHAPES and answer["dtypes"] == ["torch.float32"]
     result = load_file(answers[0]["path"])
-    for i, expected in enumerate(true_mean(seeds, weights)):
+    for i, expected in enumerate(true_mean(seeds, weights, prune_fraction)):
         error = (result[str(i)].double() - expected).abs().max().item()
         assert error <= tolerance, f"tensor {i}: max error {error} > {tolerance}"
-    check_traffic(peers, answers, itemsize)
+    flat = torch.cat([result[str(i)].reshape(-1) for i in range(len(SHAPES))])
+    expected = torch.cat([t.reshape(-1) for t in true_mean(seeds, weights, prune_fraction)])
+    bound = average_bound(seeds, weights, compression, prune_fraction)
+    excess = ((flat.double() - expected).abs() - bound).max().item()
+    assert excess <= 0, f"{averager}: an error exceeds the codec's bound by {excess}"
+    # the simulator's all-reduce (sim/simulator.py) computes these very bits
+    by_member = {p.peer_id: (s, w) for p, s, w in zip(peers, seeds, weights, strict=True)}
+    ordered = [by_member[m] for m in sorted(by_member)]
+    in_memory = all_reduce_in_memory(
+        [sent(s, prune_fraction) for s, _ in ordered], [w for _, w in ordered], compression
+    )
+    assert torch.equal(flat, in_memory), f"{averager}: the network and in-memory bits differ"
+    check_traffic(peers, answers, compression)
 
 
 @pytest.fixture(scope="module")
@@ -266,10 +344,53 @@ def test_three_peers_fp16(trio: list[Peer]) -> None:
         average_command("v0", s, w, averager="fp16") for s, w in zip(seeds, weights, strict=True)
     ]
     answers = run_round(trio, commands)
-    check_round(trio, answers, seeds, weights, tolerance=1e-3, itemsize=2)
+    check_round(trio, answers, seeds, weights, tolerance=1e-3, averager="fp16")
     # fp16 really was used: the result differs from the fp32 mean by more than fp32 rounding
     result = load_file(answers[0]["path"])
     assert (result["0"].double() - true_mean(seeds, weights)[0]).abs().max().item() > 1e-6
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(90)
+def test_three_peers_every_codec_on_the_same_inputs(trio: list[Peer]) -> None:
+    """Blockwise int8 and int4 (and fp32, fp16 for comparison) on the same contributions: the
+    same bits on every member, within the codec's bound of the true mean, and the bytes each
+    member sends shrink as the codec promises (framing and headers included)."""
+    seeds, weights = [31, 32, 33], [1.0, 3.0, 2.0]
+    sent_bytes: dict[str, int] = {}
+    tolerances = {"fp32": 1e-6, "fp16": 1e-3, "int8": 0.02, "int4": 0.3}
+    for averager, tolerance in tolerances.items():
+        commands = [
+            average_command(f"c_{averager}", s, w, averager=averager)
+            for s, w in zip(seeds, weights, strict=True)
+        ]
+        answers = run_round(trio, commands)
+        check_round(trio, answers, seeds, weights, tolerance=tolerance, averager=averager)
+        sent_bytes[averager] = max(a["bytes_sent"] for a in answers)
+        if averager in ("int8", "int4"):  # really quantized: coarser than fp16 would be
+            result = load_file(answers[0]["path"])
+            error = (result["0"].double() - true_mean(seeds, weights)[0]).abs().max().item()
+            assert error > 1e-3, (averager, error)
+    assert sent_bytes["fp32"] / sent_bytes["fp16"] >= 1.99
+    assert sent_bytes["fp32"] / sent_bytes["int8"] >= 3.5
+    assert sent_bytes["fp32"] / sent_bytes["int4"] >= 7
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(60)
+def test_three_peers_int8_with_pruning(trio: list[Peer]) -> None:
+    """Each sender zeroes half of each of its tensors before sending; the group averages those
+    pruned contributions (the true mean checked is the mean of the pruned inputs)."""
+    seeds, weights = [41, 42, 43], [2.0, 1.0, 1.0]
+    commands = [
+        average_command("vp", s, w, averager="int8_prune50")
+        for s, w in zip(seeds, weights, strict=True)
+    ]
+    answers = run_round(trio, commands)
+    check_round(trio, answers, seeds, weights, tolerance=0.02, averager="int8_prune50")
+    result = load_file(answers[0]["path"])
+    unpruned = true_mean(seeds, weights)[0]
+    assert (result["0"].double() - unpruned).abs().max().item() > 0.05  # pruning took effect
 
 
 @pytest.mark.multipeer
@@ -336,6 +457,15 @@ def test_part_sizes_match_tensor_split() -> None:
     for numel, k in ((10, 3), (300_624, 3), (5, 5), (7, 2)):
         sizes = part_sizes(numel, k)
         assert sizes == [p.numel() for p in torch.tensor_split(torch.zeros(numel), k)]
+
+
+@pytest.mark.timeout(10)
+def test_flatten_prunes_a_copy_of_each_tensor() -> None:
+    tensors = [torch.arange(1.0, 11.0), -torch.arange(1.0, 5.0).view(2, 2)]
+    flat = _flatten(tensors, 0.5)
+    assert flat.tolist() == [0.0] * 5 + [6.0, 7.0, 8.0, 9.0, 10.0] + [0.0, 0.0, -3.0, -4.0]
+    assert tensors[0][0].item() == 1.0  # the caller's tensors are left alone
+    assert torch.equal(_flatten(tensors, 0.0), torch.cat([t.reshape(-1) for t in tensors]))
 
 
 @pytest.mark.timeout(10)
@@ -504,7 +634,10 @@ def test_bad_arguments_are_value_errors() -> None:
     with pytest.raises(ValueError):
         GroupAverager(None, "has.dot")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        GroupAverager(None, "ok", compression="int8")  # type: ignore[arg-type]
+        GroupAverager(None, "ok", compression="int2")  # type: ignore[arg-type]
+    for fraction in (-0.1, 1.0, float("nan"), True):
+        with pytest.raises(ValueError):
+            GroupAverager(None, "ok", prune_fraction=fraction)  # type: ignore[arg-type]
     averager = GroupAverager(None, "ok")  # type: ignore[arg-type]
     good = {"weight": 1.0, "gather": b"", "target_size": 2}
     good |= {"matchmaking_timeout_s": 1.0, "allreduce_timeout_s": 1.0}

@@ -266,3 +266,39 @@ def test_perplexity() -> None:
     assert perplexity(0.0) == 1.0
     assert perplexity(math.log(7.0)) == pytest.approx(7.0)
     assert perplexity(1e6) == math.exp(50.0)  # capped: a diverged run still prints a number
+
+
+class _FitsFour(torch.nn.Module):
+    """A model whose backward 'runs out of memory' above 4 sequences (pure logic of the probe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+        self.tried: list[int] = []
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        self.tried.append(x.shape[0])
+        if x.shape[0] > 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return (self.w * x[:, :3].float()).sum()
+
+
+def test_auto_micro_batch_halves_until_it_fits() -> None:
+    from diloco_peer.peer.inner import auto_micro_batch
+
+    model = _FitsFour()
+    assert auto_micro_batch(model, 16, 8, 256, torch.device("cpu")) == 4
+    assert model.tried == [16, 8, 4]
+    assert model.w.grad is None  # the probe leaves no gradients behind
+
+
+def test_auto_micro_batch_fails_clearly_when_nothing_fits() -> None:
+    from diloco_peer.errors import ConfigError
+    from diloco_peer.peer.inner import auto_micro_batch
+
+    class NothingFits(_FitsFour):
+        def loss(self, x: torch.Tensor) -> torch.Tensor:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    with pytest.raises(ConfigError, match="not even one sequence"):
+        auto_micro_batch(NothingFits(), 8, 8, 256, torch.device("cpu"))

@@ -30,6 +30,30 @@ def _events(path: Path) -> list[dict]:
     return out
 
 
+def assert_one_branch(*logs: Path) -> dict[int, str]:
+    """DESIGN §3's invariant: peers at version v hold equal state hashes, or the fork is healed
+    within one round. A fork-healing catch-up (`fork: true`, from version f) abandons the
+    peer's states at versions f-1 and f held before it; every state not abandoned must agree
+    with every other peer's at its version, and every disagreement must have been abandoned.
+    Returns the agreed hash per version."""
+    kept: list[tuple[Path, int, str]] = []
+    for log in logs:
+        states: list[list] = []  # [version, hash, abandoned]
+        for e in _events(log):
+            if e["event"] not in ("round", "catch_up"):
+                continue
+            if e["event"] == "catch_up" and e.get("fork"):
+                for st in states:
+                    if e["from_version"] - 1 <= st[0] <= e["from_version"]:
+                        st[2] = True
+            states.append([e["version"], e["state_hash"], False])
+        kept += [(log, v, h) for v, h, abandoned in states if not abandoned]
+    agreed: dict[int, str] = {}
+    for log, version, state_hash in kept:
+        assert agreed.setdefault(version, state_hash) == state_hash, (log, version)
+    return agreed
+
+
 class Swarm:
     """Peer processes started by a test; `close()` kills every one of them."""
 
@@ -97,8 +121,9 @@ def test_demo_three_peers_agree_and_improve() -> None:
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-def test_late_joiner_downloads_verified_state_then_agrees(swarm: Swarm) -> None:
-    a, log_a = swarm.start("a", *NANO, "--max-rounds", "6")
+@pytest.mark.parametrize("protocol", ["sync", "async"])
+def test_late_joiner_downloads_verified_state_then_agrees(swarm: Swarm, protocol: str) -> None:
+    a, log_a = swarm.start("a", *NANO, "--protocol", protocol, "--max-rounds", "6")
     start = swarm.wait_event(log_a, "start", 90)
     swarm.wait_event(log_a, "round", 90, version=2)  # a alone: Lookahead rounds
     b, log_b = swarm.start("b", "--swarm", start["maddrs"][0], "--max-rounds", "3")
@@ -223,11 +248,7 @@ def test_killed_peers_cost_survivors_at_most_a_timed_out_round(
     ra = {e["version"]: e for e in _events(log_a) if e["event"] == "round"}
     rb = {e["version"]: e for e in _events(log_b) if e["event"] == "round"}
     assert any(e["event"] == "round" for e in _events(log_d))  # d did take part before dying
-    hashes: dict[int, set[str]] = {}
-    for e in [*_events(log_a), *_events(log_b)]:
-        if e["event"] in ("round", "catch_up"):
-            hashes.setdefault(e["version"], set()).add(e["state_hash"])
-    assert all(len(h) == 1 for h in hashes.values()), hashes
+    hashes = assert_one_branch(log_a, log_b)
     assert max(hashes) >= 14
     if protocol == "sync":
         assert max(ra) == 14 and max(rb) == 14
@@ -260,6 +281,7 @@ def test_sigterm_saves_a_checkpoint_and_status_lists_peers(swarm: Swarm, tmp_pat
     doc = json.loads(out.stdout)
     assert [p["peer_id"] for p in doc["peers"]] == [start["peer"]]
     assert doc["head_version"] >= 1 and doc["forks"] == {}
+    assert doc["peers"][0]["rss_mb"] > 10 and doc["peers"][0]["cpu_percent"] >= 0
     os.killpg(a.pid, signal.SIGTERM)
     assert a.wait(timeout=60) == 0
     stop = swarm.wait_event(log_a, "stop", 5)
@@ -377,3 +399,131 @@ def test_announced_address_is_what_others_dial(swarm: Swarm) -> None:
         assert rounds_b and rounds_b[0]["group_size"] == 2, rounds_b
     finally:
         forward.close()
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(200)
+def test_fork_is_healed_and_the_losers_delta_contributed_again(swarm: Swarm) -> None:
+    # Both peers apply their first δ alone at version 0 (a test hook hides the other one), so
+    # version 1 exists twice. The branch that wins (the longer one, or the larger hash at equal
+    # length) is downloaded by the other peer, which puts its lost δ into its next group.
+    alone = {"DILOCO_PEER_ALONE_ROUNDS": "1"}
+    until = ["--until-version", "4"]
+    a, log_a = swarm.start("a", *NANO, *until, env=alone)
+    maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
+    b, log_b = swarm.start("b", "--swarm", maddr, *until, env=alone)
+    assert a.wait(timeout=150) == 0 and b.wait(timeout=60) == 0
+    events = {"a": _events(log_a), "b": _events(log_b)}
+    first = {k: next(e for e in ev if e["event"] == "round") for k, ev in events.items()}
+    assert first["a"]["version"] == first["b"]["version"] == 1
+    assert first["a"]["state_hash"] != first["b"]["state_hash"]  # the fork
+    heals = {
+        k: [e for e in ev if e["event"] == "catch_up" and e["fork"]] for k, ev in events.items()
+    }
+    assert sorted(len(h) for h in heals.values()) == [0, 1], heals
+    loser = "a" if heals["a"] else "b"
+    winner = "b" if loser == "a" else "a"
+    heal = heals[loser][0]
+    assert heal["recontributed"] and heal["from_version"] == 1
+    won = {e["version"]: e["state_hash"] for e in events[winner] if e["event"] == "round"}
+    assert won[heal["version"]] == heal["state_hash"]
+    # From then on one branch: equal hashes at every version, groups of two.
+    later = {k: {e["version"]: e for e in ev if e["event"] == "round" and e["version"] > heal["version"]}
+             for k, ev in events.items()}  # fmt: skip
+    shared = set(later["a"]) & set(later["b"])
+    assert shared and all(
+        later["a"][v]["state_hash"] == later["b"][v]["state_hash"] for v in shared
+    )
+    assert all(later["a"][v]["group_size"] == 2 for v in shared)
+    # The loser's next contribution carries both phases' steps (its lost δ and its new one).
+    next_round = min(later[loser].values(), key=lambda e: e["version"])
+    assert next_round["steps"] == 20, next_round
+
+
+def _scrape(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return r.read().decode()
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(200)
+def test_metrics_endpoint_answers_while_training(swarm: Swarm) -> None:
+    import re
+
+    port = _free_port("127.0.0.1")
+    a, log_a = swarm.start("a", *NANO, "--max-rounds", "4", "--metrics-port", str(port))
+    swarm.wait_event(log_a, "round", 90, version=2)
+    text = _scrape(port)
+    sample = re.compile(r'^[a-z_]+\{peer="[^"]+",run="t"\} [-+0-9.eNaInf]+$')
+    lines = [x for x in text.splitlines() if x and not x.startswith("#")]
+    assert lines and all(sample.match(x) for x in lines), text
+    values = {x.split("{")[0]: float(x.rsplit(" ", 1)[1]) for x in lines}
+    assert values["diloco_peer_version"] >= 2 and values["diloco_peer_rounds_total"] >= 2
+    for name in ("diloco_peer_loss", "diloco_peer_ppl", "diloco_peer_idle_fraction",
+                 "diloco_peer_bytes_sent_total", "diloco_peer_group_size"):  # fmt: skip
+        assert name in values, name
+    assert "# TYPE diloco_peer_rounds_total counter" in text
+    assert a.wait(timeout=120) == 0
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(240)
+def test_paused_peer_is_not_waited_for_and_catches_up_after_resume(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(FAST_RUN)  # sync, 6 s group timeout
+    a, log_a = swarm.start("a", "--config", str(cfg), "--until-version", "16")
+    maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
+    b, log_b = swarm.start("b", "--swarm", maddr, "--until-version", "16")
+    first = swarm.wait_event(log_b, "round", 90)
+    os.kill(b.pid, signal.SIGUSR1)
+    paused = swarm.wait_event(log_b, "pause", 30)
+    # a goes on alone: its version passes b's by 3 while b is paused.
+    swarm.wait_event(log_a, "round", 90, version=paused["version"] + 3)
+    os.kill(b.pid, signal.SIGUSR2)
+    resumed = swarm.wait_event(log_b, "resume", 30)
+    assert a.wait(timeout=120) == 0 and b.wait(timeout=60) == 0
+    caught = [e for e in _events(log_b) if e["event"] == "catch_up" and e["time"] > resumed["time"]]
+    assert caught and caught[0]["version"] >= paused["version"] + 3
+    rounds_a = [e for e in _events(log_a) if e["event"] == "round"]
+    # Nobody waited on the paused peer longer than the group timeout plus the all-reduce's.
+    assert max(e["comm_s"] for e in rounds_a) < 6.0 + 6.0 + 4.0
+    during = [e for e in rounds_a if paused["time"] < e["time"] < resumed["time"]]
+    assert during and all(e["group_size"] == 1 for e in during[1:])
+    # Resumed, b trains with a again and they agree.
+    rounds_b = {e["version"]: e for e in _events(log_b) if e["event"] == "round"}
+    after = [v for v in rounds_b if v > caught[0]["version"]]
+    assert after and all(rounds_b[v]["group_size"] == 2 for v in after)
+    hashes_a = {e["version"]: e["state_hash"] for e in rounds_a}
+    assert all(hashes_a[v] == rounds_b[v]["state_hash"] for v in after)
+    assert first["group_size"] == 2
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(200)
+def test_max_hours_stops_the_peer_and_tensorboard_gets_scalars(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    # 0.004 h = 14.4 s: the peer stops on its own, long before 1000 rounds.
+    launched = time.time()
+    a, log_a = swarm.start(
+        "a", *NANO, "--max-rounds", "1000", "--max-hours", "0.004", "--tensorboard", str(tb),
+        "--batch-size", "auto",
+    )  # fmt: skip
+    assert a.wait(timeout=150) == 0
+    stop = swarm.wait_event(log_a, "stop", 1)
+    assert 14.4 <= stop["time"] - launched < 14.4 + 30
+    rounds = [e for e in _events(log_a) if e["event"] == "round"]
+    assert 1 <= len(rounds) < 1000
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert {"diloco/loss", "diloco/group_size", "diloco/comm_s"} <= set(acc.Tags()["scalars"])
+    steps = [s.step for s in acc.Scalars("diloco/loss")]
+    assert steps == [e["version"] for e in rounds]

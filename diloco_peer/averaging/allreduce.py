@@ -16,8 +16,13 @@ Wire protocol, one libp2p stream per (sender, part) on the handler `<prefix>-par
 framed as hivemind's `P2P.send_raw_data` does (8-byte big-endian length, then the payload):
 
     sender  -> reducer : _PART_HEADER (fixed struct, below)
-    sender  -> reducer : the part, `numel` little-endian floats (fp32, or fp16 with compression)
+    sender  -> reducer : the part, `numel` values encoded by compression.py's codec (fp32, fp16,
+                         int8 or int4 blockwise; the header names it, every member uses the same)
     reducer -> sender  : b"OK" + the averaged part (same encoding)  |  b"ER" + utf-8 reason
+
+Lossy codecs lose precision twice: once on each member's part (the reducer decodes it before
+reducing), once on the average (encoded once by the reducer, decoded by everyone).
+`all_reduce_in_memory` computes the same result in one process, for the simulator and tests.
 
 The reducer trusts nothing in the header it can check elsewhere: the sender is the
 libp2p-authenticated stream peer id (not a header field), and must be a member of the round named
@@ -38,25 +43,24 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-import numpy as np
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from torch import Tensor
 
+from diloco_peer.averaging.compression import (
+    CODEC_ID,
+    COMPRESSIONS,
+    Compression,
+    decode,
+    encode,
+    encoded_size,
+)
 from diloco_peer.errors import AllReduceFailed
 from diloco_peer.p2p_service import STREAM_ERRORS
 
 logger = logging.getLogger(__name__)
-
-Compression = Literal["none", "fp16"]
-COMPRESSIONS: tuple[Compression, ...] = ("none", "fp16")
-
-# little-endian wire dtypes: the same bytes decode to the same floats on every machine
-_WIRE_DTYPE: dict[str, np.dtype] = {"none": np.dtype("<f4"), "fp16": np.dtype("<f2")}
-_CODEC_ID: dict[str, int] = {"none": 0, "fp16": 1}
 
 # magic, protocol version, round digest (sha256), key tag (sha256 of the round key, cut), part
 # index, codec id, weight, numel, sender's all-reduce timeout (so a reducer that has not started
@@ -106,26 +110,31 @@ def part_sizes(numel: int, num_parts: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(num_parts)]
 
 
-def encode(values: Tensor, compression: Compression) -> bytes:
-    """A 1-D tensor as little-endian fp32 or fp16 bytes.
+def all_reduce_in_memory(
+    contributions: Sequence[Tensor], weights: Sequence[float], compression: Compression
+) -> Tensor:
+    """What `PartExchange.all_reduce` returns on every member, computed in one process.
 
-    fp16 saturates at ±65504 (as hivemind's Float16Compression does) instead of turning large
-    values into inf, which every reducer would refuse.
+    `contributions` are the members' flat fp32 vectors in sorted member order. Each is cut into
+    parts as the network round cuts it, each part encoded and decoded (the sender's bytes), the
+    parts reduced with `reduce_part`, each average encoded and decoded once (the reducer's bytes):
+    the same calls in the same order, so the same bits. Raises AllReduceFailed where a reducer
+    would refuse (a non-finite average).
     """
-    values = values.detach().to("cpu", torch.float32)
-    if compression == "fp16":
-        values = values.clamp(torch.finfo(torch.float16).min, torch.finfo(torch.float16).max)
-    array = values.contiguous().numpy()
-    return array.astype(_WIRE_DTYPE[compression], copy=False).tobytes()
-
-
-def decode(data: bytes, numel: int, compression: Compression) -> Tensor:
-    """Inverse of `encode`: always a fresh fp32 tensor of `numel` elements."""
-    dtype = _WIRE_DTYPE[compression]
-    if len(data) != numel * dtype.itemsize:
-        raise AllReduceFailed(f"expected {numel * dtype.itemsize} bytes, got {len(data)}")
-    array = np.frombuffer(data, dtype=dtype).astype(np.float32)  # astype copies: owns its memory
-    return torch.from_numpy(array)
+    if not contributions or len(contributions) != len(weights):
+        raise ValueError("all_reduce_in_memory needs one weight per contribution")
+    numel = contributions[0].numel()
+    if any(c.dim() != 1 or c.numel() != numel for c in contributions):
+        raise ValueError("contributions must be 1-D tensors of the same length")
+    split = [torch.tensor_split(c, len(contributions)) for c in contributions]
+    averaged = []
+    for j, size in enumerate(part_sizes(numel, len(contributions))):
+        received = [decode(encode(parts[j], compression), size, compression) for parts in split]
+        average = reduce_part(received, [float(w) for w in weights])
+        if not bool(torch.isfinite(average).all()):
+            raise AllReduceFailed(f"part {j}: the reduced part is not finite")
+        averaged.append(decode(encode(average, compression), size, compression))
+    return torch.cat(averaged)
 
 
 async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
@@ -414,7 +423,7 @@ class PartExchange:
             rnd.digest,
             key_tag(rnd.key),
             j,
-            _CODEC_ID[self._compression],
+            CODEC_ID[self._compression],
             rnd.weights[rnd.my_index],
             rnd.sizes[j],
             rnd.remaining_s(),
@@ -541,7 +550,7 @@ class PartExchange:
             raise AllReduceFailed(f"{_short(sender)} is not a member of round {rnd.key}")
         if index != rnd.my_index:
             raise AllReduceFailed(f"I reduce part {rnd.my_index}, not part {index}")
-        if codec != _CODEC_ID[rnd.compression]:
+        if codec != CODEC_ID[rnd.compression]:
             raise AllReduceFailed(f"codec {codec} differs from mine ({rnd.compression})")
         if numel != rnd.sizes[index]:
             raise AllReduceFailed(f"part of {numel} elements, expected {rnd.sizes[index]}")
@@ -557,7 +566,7 @@ class PartExchange:
     async def _reduce_part(self, rnd: _Round, sender: str, reader: asyncio.StreamReader) -> bytes:
         """Read an accepted member's part; return the round's average once every part is in."""
         numel = rnd.sizes[rnd.my_index]
-        expected_bytes = numel * _WIRE_DTYPE[rnd.compression].itemsize
+        expected_bytes = encoded_size(numel, rnd.compression)
         try:
             payload = await asyncio.wait_for(_read_frame(reader, expected_bytes), rnd.remaining_s())
             rnd.bytes_received += _framed(payload)

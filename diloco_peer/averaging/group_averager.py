@@ -2,7 +2,7 @@
 
     service = P2PService(dht)        # one per process, shared with other components
     service.start()
-    averager = GroupAverager(service, "run1", compression="fp16")
+    averager = GroupAverager(service, "run1", compression="int8", prune_fraction=0.0)
     averager.start()
     averager.wait_until_ready(timeout_s=30)   # waits for the service too
     result = averager.average(f"v{version}", deltas, weight=samples, gather=header,
@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diloco_peer.averaging.allreduce import COMPRESSIONS, AllReduceFailed, Compression, PartExchange
+from diloco_peer.averaging.allreduce import AllReduceFailed, PartExchange
+from diloco_peer.averaging.compression import COMPRESSIONS, Compression, prune
 from diloco_peer.averaging.matchmaking import HANDLER_TIMEOUT_S, NoGroup, form_group
 from diloco_peer.p2p_service import P2PService, P2PServiceStopped, wait_ready
 
@@ -72,8 +73,9 @@ class GroupResult:
     bytes_sent: int
     """Bytes this peer wrote to the round's part streams, measured: every frame as sent (8-byte
     length prefix + payload), i.e. its parts and part headers to the other reducers and, as a
-    reducer, the averaged part back to each member: about 2·4·n·(k−1)/k for n fp32 floats in a
-    group of k (half that with fp16), plus ~100 B of framing per stream. Matchmaking (hivemind
+    reducer, the averaged part back to each member: about 2·b·n·(k−1)/k for n floats in a group
+    of k, b the bytes per value of the codec (4 for fp32, 2 for fp16, ~1.03 for int8, ~0.53 for
+    int4: `compression.encoded_size`), plus ~100 B of framing per stream. Matchmaking (hivemind
     RPC, DHT) is not counted. Differs slightly between members (part sizes differ by one float)."""
     bytes_received: int
     """Bytes this peer read from the same streams, counted the same way: the other members' parts
@@ -94,8 +96,9 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
-def _flatten(tensors: Sequence[Tensor]) -> Tensor:
-    """One fp32 CPU vector, copied, so the training thread may change its tensors right after."""
+def _flatten(tensors: Sequence[Tensor], prune_fraction: float) -> Tensor:
+    """One fp32 CPU vector, copied, so the training thread may change its tensors right after;
+    each tensor pruned first when `prune_fraction` > 0."""
     if not tensors or not all(isinstance(t, Tensor) for t in tensors):
         raise ValueError("tensors must be a non-empty list of torch.Tensor")
     if not all(t.is_floating_point() for t in tensors):
@@ -105,6 +108,9 @@ def _flatten(tensors: Sequence[Tensor]) -> Tensor:
         raise ValueError("tensors hold no element")
     if not bool(torch.isfinite(flat).all()):
         raise ValueError("tensors hold NaN or inf: such a contribution must not be averaged")
+    if prune_fraction > 0:  # per tensor (DiLoCo Table 6)
+        sizes = [t.numel() for t in tensors]
+        flat = torch.cat([prune(part, prune_fraction) for part in flat.split(sizes)])
     return flat
 
 
@@ -115,7 +121,15 @@ class GroupAverager:
         `wait_until_ready` waits for it too); its peer id is this averager's identity. Shut the
         averager down before the service.
     :param prefix: names this averager's streams and DHT keys; peers must use the same prefix.
-    :param compression: encoding of parts and averages on the wire: "none" (fp32) or "fp16".
+    :param compression: encoding of parts and averages on the wire (compression.py): "none"
+        (fp32), "fp16", "int8" or "int4" (blockwise absmax). Lossy codecs round each member's
+        part and the average once each; every member still gets the same bits.
+    :param prune_fraction: in [0, 1): before sending, zero this fraction of the smallest
+        magnitudes of each tensor passed to `average` (DiLoCo Table 6; `compression.prune`).
+        The caller's tensors are not changed. It costs quality and saves no bytes (no codec is
+        sparse). Both settings come from the run manifest (RunSpec.compression,
+        RunSpec.prune_fraction) and are part of the group schema: averagers that differ in
+        either never form a group together.
     :param on_group: called in the loop thread with (key, sorted members) once a group is
         formed, before any part is sent. For metrics and for fault injection in tests
         ("kill this peer right after it joined a group").
@@ -127,13 +141,21 @@ class GroupAverager:
         prefix: str,
         *,
         compression: Compression = "none",
+        prune_fraction: float = 0.0,
         on_group: Callable[[str, list[str]], None] | None = None,
     ) -> None:
         if not _NAME.fullmatch(prefix):
             raise ValueError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        if (
+            isinstance(prune_fraction, bool)
+            or not isinstance(prune_fraction, (int, float))
+            or not 0 <= prune_fraction < 1
+        ):
+            raise ValueError(f"prune_fraction must be a number in [0, 1), got {prune_fraction!r}")
         self._service, self._prefix, self._compression = service, prefix, compression
+        self._prune_fraction = float(prune_fraction)
         self._on_group = on_group
         self._ready: concurrent.futures.Future[None] | None = None
         self._exchange: PartExchange | None = None
@@ -221,7 +243,7 @@ class GroupAverager:
             raise ValueError(f"target_size must be an integer >= 2, got {target_size!r}")
         if not isinstance(gather, bytes) or len(gather) > _MAX_GATHER_BYTES:
             raise ValueError(f"gather must be bytes of at most {_MAX_GATHER_BYTES}")
-        flat = _flatten(tensors)
+        flat = _flatten(tensors, self._prune_fraction)
         shapes = [tuple(t.shape) for t in tensors]
         ready = self._ready
         if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
@@ -287,7 +309,8 @@ class GroupAverager:
         tag = f"[{self.peer_id[-6:]} round={key}]"
         # peers whose tensors differ in layout or encoding must never meet: hivemind rejects a
         # join request whose schema hash differs from the leader's
-        schema = f"{self._prefix}|{key}|{self._compression}|{shapes}".encode()
+        schema = f"{self._prefix}|{key}|{self._compression}|{self._prune_fraction!r}|{shapes}"
+        schema_hash = hashlib.sha256(schema.encode()).digest()
         started = time.perf_counter()
         exchange.open_key(key)
         try:
@@ -296,7 +319,7 @@ class GroupAverager:
                 p2p=p2p,
                 namespace=f"{self._prefix}-{key}",
                 key=key,
-                schema_hash=hashlib.sha256(schema).digest(),
+                schema_hash=schema_hash,
                 weight=weight,
                 gather=gather,
                 target_size=target_size,

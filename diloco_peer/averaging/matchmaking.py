@@ -212,6 +212,10 @@ async def form_group(
             request_timeout=min(_MAX_REQUEST_TIMEOUT_S, 0.5 * search_s),
             client_mode=False,
         )
+        # Peers may ask for different target sizes; a group larger than this peer's target
+        # makes hivemind's key manager fail (random.sample of target buckets). The key it
+        # updates is never reused here (a fresh namespace per round), so let it size by group.
+        servicer.matchmaking.group_key_manager.target_group_size = None
         now = get_dht_time()
         step = StepControl(
             scheduled_time=now + search_s,
@@ -231,7 +235,7 @@ async def form_group(
             )
         except asyncio.TimeoutError:
             raise NoGroup(f"{tag} matchmaking overran {matchmaking_timeout_s} s") from None
-        except (P2PDaemonError, P2PHandlerError, OSError, AssertionError) as e:
+        except (P2PDaemonError, P2PHandlerError, OSError, AssertionError, ValueError) as e:
             # hivemind validates a leader's answer with assert: a lying leader ends up here
             raise NoGroup(f"{tag} matchmaking failed: {type(e).__name__}: {e}") from None
     finally:

@@ -39,7 +39,7 @@ app = typer.Typer(
 
 def _register() -> None:
     # Imported for their side effect of adding commands to `app`.
-    from diloco_peer.cli import keygen_cmd, sim_cmd, swarm_cmd  # noqa: F401
+    from diloco_peer.cli import export_cmd, keygen_cmd, plot_cmd, sim_cmd, swarm_cmd  # noqa: F401
 
 
 def configure_logging(verbose: bool = False) -> None:

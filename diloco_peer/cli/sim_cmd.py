@@ -76,6 +76,12 @@ def simulate(
     outer_momentum: float = typer.Option(0.9, help="Outer momentum."),
     dn_buffer_size: int = typer.Option(0, help="Delayed Nesterov N; 0 = workers."),
     dn_c: float = typer.Option(0.0, help="Delayed Nesterov leak c in [0, 1/N]."),
+    compression: str = typer.Option(
+        RunSpec.compression, help="Pseudo-gradients on the wire: none|fp16|int8|int4."
+    ),
+    prune_fraction: float = typer.Option(
+        RunSpec.prune_fraction, help="Zero this fraction of each δ tensor's smallest values."
+    ),
     inner_lr: float = typer.Option(RunSpec.inner_lr, help="Peak AdamW learning rate."),
     warmup_steps: int = typer.Option(RunSpec.warmup_steps, help="Warm-up steps of each schedule."),
     batch_size: int = typer.Option(RunSpec.batch_size, help="Sequences per inner step."),
@@ -107,6 +113,7 @@ def simulate(
         warmup_steps=warmup_steps, inner_steps=inner_steps, outer_optimizer=outer_optimizer,
         outer_lr=outer_lr, outer_momentum=outer_momentum, dn_buffer_size=dn_buffer_size,
         dn_c=dn_c, shards=shards, num_shards=num_shards, schedule_steps=schedule_steps, seed=seed,
+        compression=compression, prune_fraction=prune_fraction,
     )  # fmt: skip
     spec = SimSpec(
         run=run, algo=algo, workers=workers, total_steps=total_steps, heterogeneity=heterogeneity,

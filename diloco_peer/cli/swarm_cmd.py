@@ -49,7 +49,9 @@ def join(
     announce: list[str] = typer.Option([], help="Multiaddr others should dial (repeatable)."),
     identity: Path | None = typer.Option(None, help="Key file from `diloco-peer keygen`."),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
-    batch_size: int = typer.Option(0, help="Micro-batch; gradients accumulate to the run's batch."),
+    batch_size: str = typer.Option(
+        "0", help="Micro-batch (gradients accumulate to the run's batch); 'auto' fits memory."
+    ),
     checkpoint_dir: Path | None = typer.Option(None, help="Save and resume checkpoints here."),
     max_rounds: int = typer.Option(0, help="Stop after this many rounds (0 = run until stopped)."),
     until_version: int = typer.Option(
@@ -66,10 +68,23 @@ def join(
     record_updates: Path | None = typer.Option(
         None, help="Debug: write every applied update (average, count) into this new folder."
     ),
+    max_hours: float = typer.Option(0.0, help="Stop (checkpoint, leave) after this many hours."),
+    metrics_port: int = typer.Option(
+        -1, help="Serve Prometheus metrics on this port (0 = any free; default none)."
+    ),
+    metrics_host: str = typer.Option("127.0.0.1", help="Interface of the metrics endpoint."),
+    tensorboard: Path | None = typer.Option(
+        None, help="Write TensorBoard event files here (pip install 'diloco-peer[tb]')."
+    ),
+    gpu_memory_fraction: float = typer.Option(
+        1.0, help="CUDA: share of the GPU's memory this peer may use."
+    ),
     quiet: bool = typer.Option(False, help="No progress bar."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
-    """Join a swarm (or found one) and train with DiLoCo, synchronous or asynchronous."""
+    """Join a swarm (or found one) and train with DiLoCo, synchronous or asynchronous.
+
+    SIGUSR1 pauses the peer (it leaves the groups; nobody waits for it), SIGUSR2 resumes it."""
     configure_logging(verbose)
     from diloco_peer.coordinator_free.manifest import load_run_config
     from diloco_peer.peer.swarm_peer import SwarmPeer, default_run, install_signal_handlers
@@ -77,11 +92,14 @@ def join(
     spec = PeerSpec(
         run_name=run, swarm=tuple(swarm), config=str(config) if config else None, host=host,
         port=port, announce=tuple(announce), identity=str(identity) if identity else None,
-        device=device, micro_batch_size=batch_size,
+        device=device, micro_batch_size=_micro_batch(batch_size),
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, max_rounds=max_rounds,
         until_version=until_version, until_steps=until_steps,
         log_json=str(log_json) if log_json else None, data=data, threads=threads, shard=shard,
         throttle=throttle, record_updates=str(record_updates) if record_updates else None,
+        max_hours=max_hours, metrics_port=metrics_port, metrics_host=metrics_host,
+        tensorboard=str(tensorboard) if tensorboard else None,
+        gpu_memory_fraction=gpu_memory_fraction,
     )  # fmt: skip
     founding = None
     if not swarm:
@@ -136,6 +154,15 @@ def join(
     finally:
         peer.shutdown()
     _err.print(f"stopped at version {peer.state.version} after {peer.rounds_done} rounds")
+
+
+def _micro_batch(text: str) -> int:
+    if text == "auto":
+        return -1
+    try:
+        return int(text)
+    except ValueError:
+        raise BadInput(f"--batch-size must be 'auto' or a number, got {text!r}") from None
 
 
 def _read_events(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
@@ -388,7 +415,8 @@ def status(
     now = time.time()
     peers_doc = [
         {"peer_id": h.peer_id, "version": h.version, "state_hash": h.state_hash,
-         "speed": h.speed, "loss": h.loss, "last_seen_s": now - h.updated, "in_group": h.in_group}
+         "speed": h.speed, "loss": h.loss, "last_seen_s": now - h.updated, "in_group": h.in_group,
+         "rss_mb": h.rss_mb, "cpu_percent": h.cpu_percent, "gpu_mem_mb": h.gpu_mem_mb}
         for h in sorted(heads.values(), key=lambda h: (-h.version, h.peer_id))
     ]  # fmt: skip
     head = max((h.version for h in heads.values()), default=None)
@@ -401,11 +429,14 @@ def status(
         sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
         return
     t = Table(title=f"run {run}: head version {head}")
-    for col in ("peer", "version", "state", "steps/s", "loss", "seen"):
+    for col in ("peer", "version", "state", "steps/s", "loss", "memory", "cpu", "seen"):
         t.add_column(col)
     for p in peers_doc:
         t.add_row(p["peer_id"][-10:], str(p["version"]), p["state_hash"][:12], f"{p['speed']:.2f}",
-                  f"{p['loss']:.3f}" if p["loss"] is not None else "-", f"{p['last_seen_s']:.0f}s ago")  # fmt: skip
+                  f"{p['loss']:.3f}" if p["loss"] is not None else "-",
+                  f"{p['rss_mb']:.0f} MB" if p["rss_mb"] is not None else "-",
+                  f"{p['cpu_percent']:.0f}%" if p["cpu_percent"] is not None else "-",
+                  f"{p['last_seen_s']:.0f}s ago")  # fmt: skip
     _out.print(t)
     if forks:
         _out.print(f"forks: {forks}")

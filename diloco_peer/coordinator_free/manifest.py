@@ -76,7 +76,7 @@ class SwarmSettings:
     """Sync mode: longest wait for live peers to join a round's group."""
     allreduce_timeout_s: float = 60.0
     """Longest an all-reduce may take before the round fails and the peer keeps its delta."""
-    grace_s: float = 5.0
+    grace_s: float = 2.0
     """Async mode: how long a ready peer waits for others to form a group."""
     group_size: int = 64
     """Target all-reduce group size; one group per version while the swarm fits in it."""

@@ -72,6 +72,12 @@ class HeadRecord(pydantic.BaseModel):
     loss: pydantic.confloat(strict=True, allow_inf_nan=False) | None  # type: ignore[valid-type]
     updated: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False)  # type: ignore[valid-type]
     in_group: pydantic.StrictBool
+    rss_mb: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
+    cpu_percent: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
+    gpu_mem_mb: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
+    eta: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
+    shard: pydantic.conint(strict=True, ge=0, le=1 << 20) | None = None  # type: ignore[valid-type]
+    planned_samples: pydantic.conint(strict=True, ge=0, le=1 << 40) | None = None  # type: ignore[valid-type]
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -114,10 +120,32 @@ class PeerHead:
     """DHT time (Unix seconds) of publication."""
     in_group: bool = False
     """True while the peer is in a round's group (matchmaking or all-reduce)."""
+    rss_mb: float | None = None
+    """The peer process's resident memory, MB (resource use shown by `status`)."""
+    cpu_percent: float | None = None
+    """CPU use of the peer process since its previous head, percent of one core."""
+    gpu_mem_mb: float | None = None
+    """GPU memory the peer's tensors hold, MB; None without a GPU."""
+    eta: float | None = None
+    """DHT time at which the peer expects its current local phase to end; None when it is not
+    training. Async groups wait only for peers expected within the grace period."""
+    shard: int | None = None
+    """The shard the current phase trains on (with `eta`); the sampler counts it as in flight."""
+    planned_samples: int | None = None
+    """Samples the current phase will train."""
 
     def __post_init__(self) -> None:
         # Accept ints for float fields (speed=0), as the wire schema will not.
-        for name in ("speed", "samples_per_s", "loss", "updated"):
+        for name in (
+            "speed",
+            "samples_per_s",
+            "loss",
+            "updated",
+            "rss_mb",
+            "cpu_percent",
+            "gpu_mem_mb",
+            "eta",
+        ):
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):
                 try:

@@ -182,6 +182,44 @@ class InnerTrainer:
         )
 
 
+def auto_micro_batch(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    vocab_size: int,
+    device: torch.device,
+    reserve_bytes: int = 0,
+) -> int:
+    """The largest micro-batch (batch_size, batch_size/2, ..., 1) whose forward and backward
+    fit the device's memory, with `reserve_bytes` held back (AdamW's moments, allocated later).
+
+    Probes with random tokens and leaves no gradients behind. ConfigError if even one sequence
+    does not fit."""
+    size = batch_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    while size >= 1:
+        held = None
+        try:
+            if reserve_bytes:
+                held = torch.empty(reserve_bytes, dtype=torch.uint8, device=device)
+            x = torch.randint(vocab_size, (size, seq_len + 1), device=device)
+            with autocast_context(device):
+                loss = model.loss(x)
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return size
+        except torch.cuda.OutOfMemoryError:
+            size //= 2
+        finally:
+            del held
+            for p in params:
+                p.grad = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    raise ConfigError("not even one sequence fits in the device's memory; use a smaller model")
+
+
 @torch.no_grad()
 def evaluate_loss(
     model: nn.Module,

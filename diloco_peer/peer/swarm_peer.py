@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from hivemind.dht import DHT
+from hivemind.utils import get_dht_time
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -56,7 +57,13 @@ from diloco_peer.p2p_service import P2PService
 from diloco_peer.peer.checkpoint import atomic_write, read_file_metadata, safetensors_metadata
 from diloco_peer.peer.data import ShardStream, TokenDataset, build_dataset, iid_shards
 from diloco_peer.peer.events import EventLog
-from diloco_peer.peer.inner import InnerTrainer, Schedule, evaluate_loss, perplexity
+from diloco_peer.peer.inner import (
+    InnerTrainer,
+    Schedule,
+    auto_micro_batch,
+    evaluate_loss,
+    perplexity,
+)
 from diloco_peer.peer.model import build_model, resolve_device
 
 log = logging.getLogger(__name__)
@@ -71,6 +78,14 @@ CHECKPOINT_FORMAT = "diloco-peer/peer-checkpoint-v1"
 
 class StopRequested(Exception):
     """Raised inside the inner loop when SIGINT/SIGTERM asked the peer to stop."""
+
+
+class _PauseRequested(Exception):
+    """Raised inside the inner loop when SIGUSR1 asked the peer to pause; carries the steps done."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(steps)
+        self.steps = steps
 
 
 @dataclass
@@ -118,7 +133,7 @@ def default_run(model: str = "tiny", protocol: str = "sync") -> tuple[RunSpec, S
         run = dataclasses.replace(run, outer_optimizer="delayed-nesterov", outer_lr=1.0)
     return run, SwarmSettings(
         protocol="sync" if protocol == "sync" else "async",
-        sync_timeout_s=30.0, allreduce_timeout_s=60.0, grace_s=3.0,
+        sync_timeout_s=30.0, allreduce_timeout_s=60.0, grace_s=2.0,
     )  # fmt: skip
 
 
@@ -137,6 +152,8 @@ class SwarmPeer:
         self.on_step = on_step or (lambda done, total, loss: None)
         self.on_round = on_round or (lambda report: None)
         self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._t_start = time.time()
         self._tmp = tempfile.TemporaryDirectory(prefix="diloco-peer-")
         self.identity = self._load_identity()
         self.peer_id = self.identity.peer_id_str
@@ -151,6 +168,9 @@ class SwarmPeer:
         # loses a fork, the δ is contributed again (DESIGN §3).
         self._last_own: tuple[int, _Contribution] | None = None
         self._last_step_t = 0.0
+        self._waited_again = False
+        self._eta: float | None = None
+        self._phase_shard, self._phase_samples = 0, 0
         self._started_training = False
         self._t_first_train = 0.0
         self._ready = False  # set once start() succeeded: only then may shutdown() checkpoint
@@ -164,6 +184,11 @@ class SwarmPeer:
         self.last_loss: float | None = None
         self.compute_s = 0.0
         self.wait_s = 0.0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.last_report: RoundReport | None = None
+        self.metrics: Any = None
+        self.tensorboard: Any = None
 
     # ----- setup -----
 
@@ -180,6 +205,13 @@ class SwarmPeer:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def request_pause(self) -> None:
+        """Leave the swarm's groups at the next safe point and wait for `request_resume()`."""
+        self._paused.set()
+
+    def request_resume(self) -> None:
+        self._paused.clear()
 
     def visible_maddrs(self) -> list[str]:
         if self.dht is None:
@@ -226,7 +258,10 @@ class SwarmPeer:
         self.service.start()
         self.service.wait_until_ready(timeout_s=30)
         prefix = "dp_" + hashlib.sha256(run_name.encode()).hexdigest()[:16]
-        self.averager = GroupAverager(self.service, prefix, on_group=_fault_injection_hook())
+        self.averager = GroupAverager(
+            self.service, prefix, compression=self.run.compression,
+            prune_fraction=self.run.prune_fraction, on_group=_fault_injection_hook(),
+        )  # fmt: skip
         self.averager.start()
         self.averager.wait_until_ready(timeout_s=30)
         self.server = StateServer(
@@ -237,6 +272,8 @@ class SwarmPeer:
         self._snapshot()
         self._publish_head()
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+        self._start_metrics()
+        self._open_tensorboard()
         self._ready = True
         self.events.emit(
             "start", version=self.state.version, state_hash=self.state.hash(),
@@ -253,12 +290,25 @@ class SwarmPeer:
             source, run.tokenizer, run.seq_len, run.val_sequences, run.max_tokens, run.seed
         )
         self.device = resolve_device(self.spec.device)
+        if self.device.type == "cuda" and self.spec.gpu_memory_fraction < 1.0:
+            torch.cuda.set_per_process_memory_fraction(self.spec.gpu_memory_fraction, self.device)
+        elif self.spec.gpu_memory_fraction < 1.0:
+            log.warning("--gpu-memory-fraction applies to CUDA devices only; ignored on %s",
+                        self.device)  # fmt: skip
         init = build_model(run.model, self.data.vocab_size, run.seed, max_seq_len=run.seq_len)
         self.model = build_model(run.model, self.data.vocab_size, run.seed, run.seq_len)
         self.model.to(self.device)
-        self.trainer = InnerTrainer(
-            self.model, run, self.device, micro_batch_size=self.spec.micro_batch_size or None
-        )
+        micro = self.spec.micro_batch_size
+        if micro == -1:  # auto: the largest micro-batch the device holds
+            micro = run.batch_size
+            if self.device.type == "cuda":
+                adam = 2 * sum(p.numel() * p.element_size() for p in self.model.parameters())
+                micro = auto_micro_batch(
+                    self.model, run.batch_size, run.seq_len, self.data.vocab_size, self.device,
+                    reserve_bytes=adam,
+                )  # fmt: skip
+            log.info("[%s] micro-batch %d of %d", self.peer_id[-6:], micro, run.batch_size)
+        self.trainer = InnerTrainer(self.model, run, self.device, micro_batch_size=micro or None)
         num_shards = run.num_shards or DEFAULT_SHARDS
         if self.spec.shard >= num_shards:
             raise BadInput(f"--shard {self.spec.shard} is out of range: the run has {num_shards}")
@@ -311,6 +361,8 @@ class SwarmPeer:
         except records.SwarmTimeout as e:
             log.warning("[%s round=%d] %s", self.peer_id[-6:], self.state.version, e)
             heads = {}
+        if self.rounds_done < _TEST_ALONE_ROUNDS:
+            heads = {}  # test hook: this peer does not see the others yet (to make a fork)
         for peer, head in heads.items():
             known = self._seen.get(peer)
             if known is None or head.updated == 0.0 or head.updated >= known.updated:
@@ -381,6 +433,9 @@ class SwarmPeer:
                     self._restore_blob()
                     continue
                 how, nbytes, donor_used = "download", len(blob.data), donor
+                if self.spec.record_updates:  # the replay of recorded updates restarts here
+                    path = Path(self.spec.record_updates) / f"state-{top:08d}.safetensors"
+                    atomic_write(path, lambda tmp, data=blob.data: Path(tmp).write_bytes(data))
                 break
         if not how:
             return False
@@ -609,6 +664,10 @@ class SwarmPeer:
             samples_per_s=(self.trainer.speed.steps_per_s or 0.0) * self.run.batch_size,
             loss=self.last_loss,
             in_group=in_group,
+            eta=self._eta,
+            shard=self._phase_shard if self._eta is not None else None,
+            planned_samples=self._phase_samples if self._eta is not None else None,
+            **self._resources(),
         )
         try:
             records.publish_head(
@@ -618,8 +677,109 @@ class SwarmPeer:
         except records.SwarmTimeout as e:
             log.warning("[%s round=%d] %s", self.peer_id[-6:], self.state.version, e)
 
+    def _open_tensorboard(self) -> None:
+        if not self.spec.tensorboard:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise BadInput(
+                "--tensorboard needs the tensorboard package: pip install 'diloco-peer[tb]'"
+            ) from None
+        try:
+            self.tensorboard = SummaryWriter(log_dir=self.spec.tensorboard, flush_secs=5)
+        except OSError as e:
+            raise BadInput(f"--tensorboard folder is not usable ({e})") from None
+
+    def _write_tensorboard(self, report: RoundReport) -> None:
+        if self.tensorboard is None:
+            return
+        active = time.time() - self._t_first_train if self._started_training else 0.0
+        scalars = {
+            "loss": report.loss, "ppl": report.ppl, "group_size": report.group_size,
+            "comm_s": report.comm_s, "bytes_sent": report.bytes_sent,
+            "bytes_received": report.bytes_received, "staleness": report.staleness,
+            "contributions": self.contributions, "dropped": self.dropped,
+            "idle_fraction": self.wait_s / active if active > 0 else None,
+        }  # fmt: skip
+        for name, value in scalars.items():
+            if value is not None:
+                self.tensorboard.add_scalar(f"diloco/{name}", value, report.version)
+
+    def _start_metrics(self) -> None:
+        if self.spec.metrics_port < 0:
+            return
+        from diloco_peer.peer.metrics import MetricsServer
+
+        self.metrics = MetricsServer(
+            self.spec.metrics_host, self.spec.metrics_port, self._collect_metrics,
+            {"peer": self.peer_id, "run": self.spec.run_name},
+        )  # fmt: skip
+        self.metrics.start()
+        log.warning(
+            "[%s] metrics on http://%s:%d/metrics", self._tag(), self.spec.metrics_host,
+            self.metrics.port,
+        )  # fmt: skip
+
+    def _collect_metrics(self) -> list[Any]:
+        from diloco_peer.peer.metrics import Metric
+
+        last = self.last_report
+        active = time.time() - self._t_first_train if self._started_training else 0.0
+        return [
+            Metric("diloco_peer_version", "gauge", "Version of the replicated state held.",
+                   self.state.version),
+            Metric("diloco_peer_rounds_total", "counter", "Rounds this peer applied.",
+                   self.rounds_done),
+            Metric("diloco_peer_contributions_total", "counter", "Contributions applied.",
+                   self.contributions),
+            Metric("diloco_peer_dropped_contributions_total", "counter",
+                   "Contributions dropped as too stale.", self.dropped),
+            Metric("diloco_peer_loss", "gauge", "Mean training loss of the last phase.",
+                   self.last_loss),
+            Metric("diloco_peer_ppl", "gauge", "Held-out perplexity at the last evaluation.",
+                   last.ppl if last else None),
+            Metric("diloco_peer_group_size", "gauge", "Members of the last group.",
+                   last.group_size if last else None),
+            Metric("diloco_peer_comm_seconds", "gauge", "Communication seconds, last round.",
+                   last.comm_s if last else None),
+            Metric("diloco_peer_bytes_sent_total", "counter", "All-reduce bytes sent.",
+                   self.bytes_sent),
+            Metric("diloco_peer_bytes_received_total", "counter", "All-reduce bytes received.",
+                   self.bytes_received),
+            Metric("diloco_peer_compute_seconds_total", "counter", "Seconds spent training.",
+                   self.compute_s),
+            Metric("diloco_peer_wait_seconds_total", "counter",
+                   "Seconds spent waiting on other peers (groups, all-reduce, catch-up).",
+                   self.wait_s),
+            Metric("diloco_peer_idle_fraction", "gauge",
+                   "wait_seconds_total / seconds since the first training step.",
+                   self.wait_s / active if active > 0 else None),
+            Metric("diloco_peer_inner_steps_per_second", "gauge", "Measured inner-step speed.",
+                   self.trainer.speed.steps_per_s),
+            Metric("diloco_peer_paused", "gauge", "1 while paused (SIGUSR1).",
+                   1.0 if self._paused.is_set() else 0.0),
+        ]  # fmt: skip
+
+    def _resources(self) -> dict[str, float | None]:
+        """This process's memory and CPU use (and GPU memory), for `status`."""
+        import psutil
+
+        try:
+            proc = self._proc if hasattr(self, "_proc") else psutil.Process()
+            self._proc = proc
+            rss, cpu = proc.memory_info().rss / 1e6, proc.cpu_percent(interval=None)
+        except (psutil.Error, OSError):
+            return {}
+        gpu = None
+        if self.device.type == "cuda":
+            gpu = torch.cuda.memory_allocated(self.device) / 1e6
+        return {"rss_mb": float(rss), "cpu_percent": float(cpu), "gpu_mem_mb": gpu}
+
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEAD_TTL_S / 4):
+            if self._paused.is_set():
+                continue  # a paused peer stays out of the others' live set
             try:
                 self._publish_head()
             except DilocoError as e:  # never let the heartbeat kill the peer
@@ -634,23 +794,39 @@ class SwarmPeer:
         return perplexity(evaluate_loss(self._eval_model, self.data.val))
 
     def _pick_shard(self) -> int:
+        """Eq. 2 over the samples the state holds plus those other peers' running phases will
+        add (they publish shard and planned samples with their phase), so peers that start at
+        the same time do not all pick the same under-trained shard."""
         if self.spec.shard >= 0:
             return self.spec.shard
-        probs = shard_probabilities([len(s) for s in self.shards], self.state.shard_samples)
+        counts = list(self.state.shard_samples)
+        fresh = time.time() - HEAD_TTL_S
+        for p, h in self._seen.items():  # as read by the round's last _live_heads()
+            if (
+                p != self.peer_id
+                and h.eta is not None
+                and h.shard is not None
+                and h.updated > fresh
+            ):
+                if h.version >= self.state.version - self.swarm.staleness_limit and h.shard < len(
+                    counts
+                ):
+                    counts[h.shard] += h.planned_samples or 0
+        probs = shard_probabilities([len(s) for s in self.shards], counts)
         rng = random.Random(f"{self.peer_id}/{self.state.version}/{self.rounds_done}")
         return rng.choices(range(len(probs)), weights=probs)[0]
 
     def _plan_steps(self, heads: dict[str, records.PeerHead]) -> int:
         """H in sync mode; in async mode DyLU (Eq. 6) over the speeds live peers publish.
 
-        A peer that has not measured its own speed yet runs a short probe phase (H/4), so a
-        slow device learns it is slow before it holds the others up for a whole phase."""
+        A peer that has not measured its own speed yet runs a short probe phase (at most 3
+        steps), so a slow device learns it is slow before it holds the others up."""
         h = self.run.inner_steps
         if self.swarm.protocol == "sync":
             return h
         mine = self.trainer.speed.steps_per_s
         if mine is None:
-            return max(1, h // 4)
+            return max(1, min(3, h // 4))
         speeds = {p: x.speed for p, x in heads.items() if p != self.peer_id and x.speed > 0}
         speeds[self.peer_id] = mine
         return dylu_steps(speeds, h)[self.peer_id]
@@ -662,6 +838,8 @@ class SwarmPeer:
         self._last_step_t = time.perf_counter()
 
         def on_step(i: int, loss: float) -> None:
+            if self._paused.is_set() and i < steps:
+                raise _PauseRequested(i)
             if self.spec.throttle > 1.0:  # emulate a slower device: pad the step just taken
                 self._stop.wait(
                     (self.spec.throttle - 1.0) * (time.perf_counter() - self._last_step_t)
@@ -673,14 +851,72 @@ class SwarmPeer:
 
         if not self._started_training:
             self._t_first_train = time.time()
+        speed = self.trainer.speed.steps_per_s
+        if self.swarm.protocol == "async" and speed:
+            # Tell the swarm when this phase should end (async groups wait only for peers
+            # expected within the grace period) and which shard it trains.
+            self._eta = get_dht_time() + steps / speed
+            self._phase_shard, self._phase_samples = shard, steps * self.run.batch_size
+            self._publish_head()
         t0 = time.perf_counter()
-        phase = self.trainer.run_phase(
-            self.state.theta, steps, lambda: [self.streams[shard].next_batch()],
-            self.schedule, start_step, on_step=on_step,
-        )  # fmt: skip
+        try:
+            phase = self.trainer.run_phase(
+                self.state.theta, steps, lambda: [self.streams[shard].next_batch()],
+                self.schedule, start_step, on_step=on_step,
+            )  # fmt: skip
+        except _PauseRequested as p:
+            # Keep what the phase did so far: it is contributed after the pause (stale, not lost).
+            self.compute_s += time.perf_counter() - t0
+            delta = [
+                t - q.detach().to("cpu", torch.float32)
+                for t, q in zip(self.state.theta, self.trainer.params, strict=True)
+            ]
+            partial = _Contribution(delta, base, {shard: p.steps * self.run.batch_size}, p.steps)
+            self._pending = partial if self._pending is None else self._pending.merge(partial)
+            self._eta = None
+            raise
+        delta, samples, loss = phase.delta, phase.samples, phase.mean_loss
+        extra = self._extend_phase(steps, shard, start_step + steps, on_step)
+        if extra:
+            delta = [
+                t - q.detach().to("cpu", torch.float32)
+                for t, q in zip(self.state.theta, self.trainer.params, strict=True)
+            ]
+            samples += extra[0] * self.run.batch_size
+            loss = (loss * steps + extra[1] * extra[0]) / (steps + extra[0])
+            steps += extra[0]
         self.compute_s += time.perf_counter() - t0
+        self._eta = None
         self._started_training = True
-        return _Contribution(phase.delta, base, {shard: phase.samples}, steps), phase.mean_loss
+        return _Contribution(delta, base, {shard: samples}, steps), loss
+
+    def _extend_phase(
+        self, planned: int, shard: int, next_step: int, on_step: Any
+    ) -> tuple[int, float] | None:
+        """Async: rather than idle until peers expected within the grace period arrive, keep
+        training (at most as many steps again as planned) until the latest of them should be
+        done. Returns (extra steps, their mean loss), or None."""
+        speed = self.trainer.speed.steps_per_s
+        if self.swarm.protocol != "async" or not speed:
+            return None
+        now = get_dht_time()
+        etas = [
+            h.eta
+            for p, h in self._live_heads().items()
+            if p != self.peer_id and h.eta is not None and now < h.eta <= now + self.swarm.grace_s
+        ]
+        if not etas:
+            return None
+        until, step_s = max(etas), 1.0 / speed
+        done, loss_sum = 0, 0.0
+        while done < planned and get_dht_time() + step_s <= until:
+            loss, _ = self.trainer.train(
+                1, lambda: [self.streams[shard].next_batch()], self.schedule, next_step + done,
+                on_step=lambda i, value: on_step(planned, value),
+            )  # fmt: skip
+            loss_sum += loss
+            done += 1
+        return (done, loss_sum / done) if done else None
 
     def wait_for_expected_peers(self) -> None:
         """Before the first round: wait until `expected_peers` are live (bounded), so that a
@@ -716,7 +952,11 @@ class SwarmPeer:
             mine, self._pending = self._pending.merge(mine), None
         t0 = time.time()
         self.catch_up()  # peers may have moved on while we trained
-        for _ in range(1 + self.swarm.staleness_limit):
+        if self.finished():  # the swarm reached the run's end while we trained
+            log.info("[%s] the run reached its end; last δ not contributed", self._tag())
+            return None
+        self._waited_again = False
+        for _ in range(2 + self.swarm.staleness_limit):
             outcome = self._contribute(mine, loss, t0)
             if outcome != "retry":
                 return outcome
@@ -742,7 +982,13 @@ class SwarmPeer:
             return self._commit(mine, [self.peer_id], None, loss, t0)
         asynchronous = self.swarm.protocol == "async"
         # Sync mode waits for every live peer, also those still behind: they catch up to this
-        # version before they contribute. Async mode waits for them at most the grace period.
+        # version before they contribute. Async mode waits only for the peers already looking
+        # for a group at our state and those whose phase ends within the grace period; with
+        # nobody to wait for, it applies its δ at once.
+        if asynchronous:
+            others = self._expected_soon(heads)
+            if not others:
+                return self._commit(mine, [self.peer_id], None, loss, t0)
         target = min(self.swarm.group_size, len(others) + 1)
         header = json.dumps(
             {"peer": self.peer_id, "base_version": mine.base_version, "version": self.state.version,
@@ -757,7 +1003,10 @@ class SwarmPeer:
         waited = time.time()
         try:
             result = averager.average(
-                f"v{self.state.version}", mine.delta, weight=weight, gather=header,
+                # Keyed by version and state: peers on two branches of a fork never average
+                # together (each would apply the average to another base).
+                f"v{self.state.version}_{self._blob_hash()[:16]}", mine.delta, weight=weight,
+                gather=header,
                 target_size=max(2, target),
                 matchmaking_timeout_s=self.swarm.grace_s if asynchronous else self.swarm.sync_timeout_s,
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
@@ -769,8 +1018,13 @@ class SwarmPeer:
                 # group that formed without a peer shows it is gone (a lone decision would fork).
                 return self._keep(mine, "no group formed", t0)
             # Async: nobody came within the grace period. If the swarm moved on meanwhile, go
-            # to its head and try there; otherwise apply our δ alone (a group of one).
+            # to its head and try there. If a peer at our state says it is looking for a group
+            # too, matchmaking missed it: look once more instead of forking the state. Otherwise
+            # apply our δ alone (a group of one).
             if self.catch_up():
+                return "retry"
+            if not self._waited_again and self._someone_grouping():
+                self._waited_again = True
                 return "retry"
             return self._commit(mine, [self.peer_id], None, loss, t0)
         except AllReduceFailed as e:
@@ -790,6 +1044,29 @@ class SwarmPeer:
             except (ValueError, KeyError, TypeError, AttributeError):
                 log.warning("ignoring a malformed contribution header")
         return self._commit(mine, result.members, result, loss, t0, group_shards, stalenesses)
+
+    def _expected_soon(self, heads: dict[str, records.PeerHead]) -> list[str]:
+        """Async: the peers worth waiting for: in a group search at our state, or training a
+        phase that ends within the grace period, or new (no speed measured yet)."""
+        mine, soon = self._blob_hash(), get_dht_time() + self.swarm.grace_s
+        out = []
+        for p, h in heads.items():
+            if p == self.peer_id or h.version > self.state.version:
+                continue
+            grouping = h.in_group and h.version == self.state.version and h.state_hash == mine
+            finishing = h.eta is not None and h.eta <= soon
+            if grouping or finishing or (h.speed == 0 and not h.in_group):
+                out.append(p)
+        return out
+
+    def _someone_grouping(self) -> bool:
+        """Another live peer at our version and state has announced it is in a group search."""
+        mine = self._blob_hash()
+        return any(
+            h.in_group and h.version == self.state.version and h.state_hash == mine
+            for p, h in self._live_heads().items()
+            if p != self.peer_id
+        )
 
     def _commit(
         self,
@@ -829,6 +1106,10 @@ class SwarmPeer:
             bytes_sent=getattr(result, "bytes_sent", 0), bytes_received=getattr(result, "bytes_received", 0),
             steps=mine.steps, staleness=staleness, members=members,
         )  # fmt: skip
+        self.bytes_sent += report.bytes_sent
+        self.bytes_received += report.bytes_received
+        self.last_report = report
+        self._write_tensorboard(report)
         self.events.emit(
             "round", version=report.version, state_hash=report.state_hash,
             group_size=report.group_size, loss=report.loss, ppl=report.ppl, comm_s=report.comm_s,
@@ -870,6 +1151,7 @@ class SwarmPeer:
             or bool(spec.max_rounds and self.rounds_done >= spec.max_rounds)
             or bool(spec.until_version and self.state.version >= spec.until_version)
             or bool(spec.until_steps and self.applied_steps() >= spec.until_steps)
+            or bool(spec.max_hours and time.time() - self._t_start >= spec.max_hours * 3600)
         )
 
     def applied_steps(self) -> int:
@@ -880,9 +1162,49 @@ class SwarmPeer:
         try:
             self.wait_for_expected_peers()
             while not self.finished():
-                self.run_round()
+                if self._paused.is_set():
+                    self._pause()
+                    continue
+                try:
+                    self.run_round()
+                except _PauseRequested:
+                    continue
+            self._settle()
         except StopRequested:
             pass
+
+    def _settle(self) -> None:
+        """At the run's end (--until-version/--until-steps), stay live for a moment and heal a
+        fork of the last versions, so peers that stop together stop on one state."""
+        spec = self.spec
+        swarm_end = (spec.until_version and self.state.version >= spec.until_version) or (
+            spec.until_steps and self.applied_steps() >= spec.until_steps
+        )
+        if self._stop.is_set() or not swarm_end:
+            return
+        deadline = time.time() + max(
+            3.0, 2 * self.swarm.grace_s if self.swarm.protocol == "async" else 0
+        )
+        while time.time() < deadline and not self._stop.is_set():
+            self.catch_up()
+            self._stop.wait(0.5)
+
+    def _pause(self) -> None:
+        """Leave (others drop our head at once, so nobody waits for us), wait, come back."""
+        self._publish_head(leaving=True)
+        self.events.emit(
+            "pause", version=self.state.version, state_hash=self._blob_hash(), group_size=0,
+            loss=self.last_loss,
+        )  # fmt: skip
+        log.warning("[%s] paused (SIGUSR2 resumes)", self._tag())
+        t0 = time.time()
+        while self._paused.is_set() and not self.finished():
+            self._stop.wait(0.5)
+        self._publish_head()
+        self.events.emit(
+            "resume", version=self.state.version, state_hash=self._blob_hash(), group_size=0,
+            loss=self.last_loss, paused_s=time.time() - t0,
+        )  # fmt: skip
 
     def shutdown(self) -> None:
         """Save a checkpoint, leave the DHT, free everything. Safe to call more than once."""
@@ -904,6 +1226,10 @@ class SwarmPeer:
                     active_s=time.time() - self._t_first_train if self._started_training else 0.0,
                 )  # fmt: skip
         finally:
+            if self.metrics is not None:
+                self.metrics.shutdown()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             for part in (self.server, self.averager, self.service):
                 if part is not None:
                     try:
@@ -914,6 +1240,11 @@ class SwarmPeer:
                 self.dht.shutdown()
             self.events.close()
             self._tmp.cleanup()
+
+
+_TEST_ALONE_ROUNDS = int(os.environ.get("DILOCO_PEER_ALONE_ROUNDS", "0") or 0)
+"""Test-only: a peer ignores the others' heads for its first N rounds, so two such peers apply
+their own δ alone at the same version and fork the state (the fork-healing test)."""
 
 
 def _fault_injection_hook() -> Any:
@@ -935,7 +1266,8 @@ def _fault_injection_hook() -> Any:
 
 
 def install_signal_handlers(peer: SwarmPeer) -> None:
-    """Ctrl+C / SIGTERM stop at the next safe point (between inner steps).
+    """Ctrl+C / SIGTERM stop at the next safe point (between inner steps); SIGUSR1 pauses the
+    peer (it leaves the groups, keeping its partial δ), SIGUSR2 resumes it.
 
     Processes forked later (hivemind's DHT) inherit these handlers; there the signal keeps its
     default meaning, or `DHT.shutdown()` could never terminate its child."""
@@ -948,5 +1280,17 @@ def install_signal_handlers(peer: SwarmPeer) -> None:
             return
         peer.request_stop()
 
+    def pause_handler(signum: int, frame: Any) -> None:
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if signum == signal.SIGUSR1:
+            peer.request_pause()
+        else:
+            peer.request_resume()
+
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGUSR1, pause_handler)
+    signal.signal(signal.SIGUSR2, pause_handler)

@@ -6,6 +6,13 @@ papers' wall-clock experiments run on one CPU, reproducibly. Communication time 
 
 Because a local phase depends only on the θ it starts from, a worker's phase is computed when it
 starts and its result is delivered at its virtual finish time. Ties are broken by worker index.
+
+Compression (RunSpec.compression, RunSpec.prune_fraction) costs what it costs a swarm: a group of
+two or more (a sync round, a `dn` grace-period group) is averaged by `all_reduce_in_memory`, the
+swarm's own part split, codec and reduction (each δ pruned, each part encoded and decoded, the
+average encoded and decoded once more); a group of one is applied as it is, as a lone swarm peer
+applies its own δ. The naive async baselines, whose server applies each contribution alone, get
+each δ pruned, encoded and decoded once (the upload). With `none` and no pruning nothing changes.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from typing import Any
 
 import torch
 
+from diloco_peer.averaging.allreduce import all_reduce_in_memory
+from diloco_peer.averaging.compression import prune, round_trip
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.config import SimSpec
 from diloco_peer.coordinator_free.dylu import SpeedMeter, dylu_steps
@@ -260,6 +269,38 @@ class Simulator:
     def _sum(self, deltas: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         return [torch.stack(ts).sum(0) for ts in zip(*deltas, strict=True)]
 
+    @property
+    def _lossy_wire(self) -> bool:
+        return self.run_spec.compression != "none" or self.run_spec.prune_fraction > 0
+
+    def _sent(self, delta: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One contribution as a peer sends it: its tensors pruned, then flattened (fp32)."""
+        flat = [t.detach().reshape(-1).to(torch.float32) for t in delta]
+        if self.run_spec.prune_fraction > 0:
+            flat = [prune(t, self.run_spec.prune_fraction) for t in flat]
+        return torch.cat(flat)
+
+    def _group_sum(self, deltas: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """Σ δ of a group as a swarm applies it: count × the all-reduced average (what
+        ReplicatedState.apply hands the outer optimizer; equal weights, as the simulator's mean
+        has), or the plain sum without compression."""
+        if not self._lossy_wire or len(deltas) < 2:
+            return self._sum(deltas)
+        shapes = [t.shape for t in deltas[0]]
+        sent = [self._sent(d) for d in deltas]
+        average = all_reduce_in_memory(sent, [1.0] * len(deltas), self.run_spec.compression)
+        parts = average.split([math.prod(shape) for shape in shapes])
+        return [a.view(shape) * len(deltas) for a, shape in zip(parts, shapes, strict=True)]
+
+    def _uploaded(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One contribution as a server receives it (the naive async baselines)."""
+        if not self._lossy_wire:
+            return delta
+        shapes = [t.shape for t in delta]
+        flat = round_trip(self._sent(delta), self.run_spec.compression)
+        parts = flat.split([math.prod(shape) for shape in shapes])
+        return [a.view(shape) for a, shape in zip(parts, shapes, strict=True)]
+
     def _run_sync(self) -> dict[str, Any]:
         """DiLoCo (ALGORITHMS §1): rounds of H steps on every active worker, then one outer step
         on the average of the contributions that arrived."""
@@ -307,7 +348,7 @@ class Simulator:
                 if cos is not None:
                     self.cosines.append(cos)
                 with torch.no_grad():
-                    outer.step(self.theta, self._sum(arrived), len(arrived))
+                    outer.step(self.theta, self._group_sum(arrived), len(arrived))
                 updates += 1
             self._progress(steps * m)
         return {
@@ -369,10 +410,10 @@ class Simulator:
             nonlocal version, updates, dropped
             stale = version - w.base_version
             staleness.append(stale)
-            delta = w.phase.delta
             if algo == "async-polythres" and stale > spec.staleness_threshold:
                 dropped += 1
                 return
+            delta = self._uploaded(w.phase.delta)
             if algo in ("async-poly", "async-polythres"):
                 delta = [t * (1 + stale) ** -0.5 for t in delta]
             version += 1
@@ -413,7 +454,7 @@ class Simulator:
             if algo in ("dn", "dn-dylu"):
                 staleness.extend(version - w.base_version for w in group)
                 with torch.no_grad():
-                    outer.step(self.theta, self._sum(deltas), len(group))
+                    outer.step(self.theta, self._group_sum(deltas), len(group))
                 version += len(group)
                 updates += 1
             self.now = max(self.now, close)
