@@ -10,13 +10,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from diloco_peer.averaging.outer import OuterOptimizer
 from diloco_peer.errors import ConfigError
+
+
+def state_digest(meta_json: str, tensors: Mapping[str, torch.Tensor]) -> str:
+    """The state hash: SHA-256 of the metadata JSON (as `metadata()["state"]` stores it), then
+    every tensor's name, dtype, shape and bytes in name order. Lets a reader check a stored
+    state without rebuilding its outer optimizer."""
+    h = hashlib.sha256(meta_json.encode())
+    for name, t in sorted(tensors.items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 class ReplicatedState:
@@ -54,13 +66,7 @@ class ReplicatedState:
 
     def hash(self) -> str:
         """SHA-256 of everything replicated, in a fixed order."""
-        h = hashlib.sha256()
-        h.update(json.dumps(self._meta(), sort_keys=True).encode())
-        for name, t in sorted(self.tensors().items()):
-            t = t.detach().to("cpu").contiguous()
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return h.hexdigest()
+        return state_digest(json.dumps(self._meta(), sort_keys=True), self.tensors())
 
     def _meta(self) -> dict[str, Any]:
         outer = self.outer.state_dict()

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from safetensors import SafetensorError, safe_open
 
+from diloco_peer.averaging.state import state_digest
 from diloco_peer.config import RunSpec
 from diloco_peer.coordinator_free.manifest import SignedManifest
 from diloco_peer.errors import BadInput, CheckpointError, ConfigError, DilocoError
@@ -210,21 +211,15 @@ def _load_peer_source(path: Path) -> ExportSource:
 
 
 def _check_state_hash(state: dict[str, torch.Tensor], meta: dict[str, str], path: Path) -> int:
-    """Recompute the replicated state's hash from the stored tensors and compare it with the
-    one saved beside them, so flipped bytes are detected. Same recipe as
-    `ReplicatedState.hash` (its `_meta()` JSON is stored verbatim as `state.state`); a test
-    pins the two together. Returns the state's version."""
+    """Recompute the replicated state's hash from the stored tensors (`state_digest`, as
+    `ReplicatedState.hash` does) and compare it with the one saved beside them, so flipped
+    bytes are detected. Returns the state's version."""
     try:
         state_json, expected = meta["state.state"], meta["state.state_hash"]
         version = int(json.loads(state_json)["version"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: malformed peer checkpoint metadata ({e})") from None
-    h = hashlib.sha256(state_json.encode())
-    for name, t in sorted(state.items()):
-        t = t.contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    if h.hexdigest() != expected:
+    if state_digest(state_json, state) != expected:
         raise CheckpointError(f"{path}: global state does not match its hash; it is corrupted")
     return version
 
