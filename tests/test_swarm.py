@@ -485,7 +485,7 @@ def test_paused_peer_is_not_waited_for_and_catches_up_after_resume(
     # a goes on alone: its version passes b's by 3 while b is paused.
     swarm.wait_event(log_a, "round", 90, version=paused["version"] + 3)
     os.kill(b.pid, signal.SIGUSR2)
-    resumed = swarm.wait_event(log_b, "resume", 30)
+    resumed = swarm.wait_event(log_b, "unpause", 30)
     assert a.wait(timeout=120) == 0 and b.wait(timeout=60) == 0
     caught = [e for e in _events(log_b) if e["event"] == "catch_up" and e["time"] > resumed["time"]]
     assert caught and caught[0]["version"] >= paused["version"] + 3
@@ -527,3 +527,23 @@ def test_max_hours_stops_the_peer_and_tensorboard_gets_scalars(
     assert {"diloco/loss", "diloco/group_size", "diloco/comm_s"} <= set(acc.Tags()["scalars"])
     steps = [s.step for s in acc.Scalars("diloco/loss")]
     assert steps == [e["version"] for e in rounds]
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(200)
+def test_a_pending_delta_survives_a_restart(swarm: Swarm, tmp_path: Path) -> None:
+    # Paused mid-phase, the peer keeps its partial δ; stopped, it saves it in its checkpoint;
+    # restarted, it contributes it with its next phase.
+    ckpt = tmp_path / "ckpt"
+    a, log_a = swarm.start("a", *NANO, "--checkpoint-dir", str(ckpt), "--throttle", "4")
+    swarm.wait_event(log_a, "round", 90, version=1)
+    os.kill(a.pid, signal.SIGUSR1)
+    paused = swarm.wait_event(log_a, "pause", 30)
+    os.killpg(a.pid, signal.SIGTERM)
+    assert a.wait(timeout=60) == 0
+    a2, log_a2 = swarm.start("a2", *NANO, "--checkpoint-dir", str(ckpt), "--max-rounds", "3")
+    assert a2.wait(timeout=120) == 0
+    resumed = swarm.wait_event(log_a2, "resume", 1)
+    assert resumed["pending_steps"] == paused["pending_steps"]
+    first = next(e for e in _events(log_a2) if e["event"] == "round")
+    assert first["steps"] == 10 + paused["pending_steps"]

@@ -580,6 +580,13 @@ class SwarmPeer:
             "adam": json.dumps(opt_meta, default=float),
             **{f"state.{k}": v for k, v in self.state.metadata().items()},
         }
+        if self._pending is not None:  # a δ not applied yet goes into the next group after resume
+            pending = self._pending
+            tensors.update({f"pending.{i}": d.contiguous() for i, d in enumerate(pending.delta)})
+            meta["pending"] = json.dumps(
+                {"base_version": pending.base_version, "steps": pending.steps,
+                 "shards": {str(k): v for k, v in pending.shard_samples.items()}}
+            )  # fmt: skip
         atomic_write(path, lambda tmp: Path(tmp).write_bytes(st_save(tensors, metadata=meta)))
 
     def _resume(self) -> None:
@@ -637,6 +644,14 @@ class SwarmPeer:
             for stream, st in zip(self.streams, json.loads(meta["streams"]), strict=True):
                 stream.load_state_dict(st)
             self.rounds_done = int(meta["rounds_done"])
+            if "pending" in meta:
+                info = json.loads(meta["pending"])
+                self._pending = _Contribution(
+                    [tensors[f"pending.{i}"] for i in range(len(self.state.theta))],
+                    int(info["base_version"]),
+                    {int(k): int(v) for k, v in info["shards"].items()},
+                    int(info["steps"]),
+                )
         except CheckpointError:
             raise
         except Exception as e:
@@ -646,6 +661,7 @@ class SwarmPeer:
         self.events.emit(
             "resume", version=self.state.version, state_hash=self.state.hash(), group_size=0,
             loss=None, rounds_done=self.rounds_done,
+            pending_steps=self._pending.steps if self._pending is not None else 0,
         )  # fmt: skip
 
     # ----- heads -----
@@ -1195,6 +1211,7 @@ class SwarmPeer:
         self.events.emit(
             "pause", version=self.state.version, state_hash=self._blob_hash(), group_size=0,
             loss=self.last_loss,
+            pending_steps=self._pending.steps if self._pending is not None else 0,
         )  # fmt: skip
         log.warning("[%s] paused (SIGUSR2 resumes)", self._tag())
         t0 = time.time()
@@ -1202,7 +1219,7 @@ class SwarmPeer:
             self._stop.wait(0.5)
         self._publish_head()
         self.events.emit(
-            "resume", version=self.state.version, state_hash=self._blob_hash(), group_size=0,
+            "unpause", version=self.state.version, state_hash=self._blob_hash(), group_size=0,
             loss=self.last_loss, paused_s=time.time() - t0,
         )  # fmt: skip
 
