@@ -99,6 +99,14 @@ class InnerTrainer:
         """The replica's current parameters as fp32 CPU tensors (copies)."""
         return [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
 
+    @torch.no_grad()
+    def delta_from(self, theta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """δ = θ_global − θ_local (fp32, CPU): the pseudo-gradient of the replica as it stands."""
+        return [
+            t.to(torch.float32) - p.detach().to("cpu", torch.float32)
+            for t, p in zip(theta, self.params, strict=True)
+        ]
+
     def train_step(self, batches: Sequence[torch.Tensor], lr: float) -> float:
         """One optimizer step on the union of `batches` (each (b, T+1)); returns the mean loss.
 
@@ -168,11 +176,7 @@ class InnerTrainer:
             self.load_params(theta)
         t0 = time.perf_counter()
         loss, samples = self.train(steps, next_batches, schedule, start_step, on_step)
-        with torch.no_grad():
-            delta = [
-                t.to(torch.float32) - p.detach().to("cpu", torch.float32)
-                for t, p in zip(theta, self.params, strict=True)
-            ]
+        delta = self.delta_from(theta)
         return PhaseResult(
             delta=delta,
             steps=steps,

@@ -883,10 +883,7 @@ class SwarmPeer:
         except _PauseRequested as p:
             # Keep what the phase did so far: it is contributed after the pause (stale, not lost).
             self.compute_s += time.perf_counter() - t0
-            delta = [
-                t - q.detach().to("cpu", torch.float32)
-                for t, q in zip(self.state.theta, self.trainer.params, strict=True)
-            ]
+            delta = self.trainer.delta_from(self.state.theta)
             partial = _Contribution(delta, base, {shard: p.steps * self.run.batch_size}, p.steps)
             self._pending = partial if self._pending is None else self._pending.merge(partial)
             self._eta = None
@@ -894,10 +891,7 @@ class SwarmPeer:
         delta, samples, loss = phase.delta, phase.samples, phase.mean_loss
         extra = self._extend_phase(steps, shard, start_step + steps, on_step)
         if extra:
-            delta = [
-                t - q.detach().to("cpu", torch.float32)
-                for t, q in zip(self.state.theta, self.trainer.params, strict=True)
-            ]
+            delta = self.trainer.delta_from(self.state.theta)
             samples += extra[0] * self.run.batch_size
             loss = (loss * steps + extra[1] * extra[0]) / (steps + extra[0])
             steps += extra[0]
