@@ -27,6 +27,10 @@ SIM_ALGOS = (
     "dn-dylu",
 )
 HETEROGENEITY = ("none", "slight", "moderate", "very")
+AGGREGATIONS = ("mean", "trimmed-mean", "centered-clip")
+MAX_INT = 2**63 - 1
+"""Integers in configs and manifests beyond this are refused (JSON allows any size)."""
+"""How part reducers combine contributions (averaging/robust.py; the manifest's swarm.aggregation)."""
 COMPUTE_SCHEDULES = ("constant", "doubling", "halving", "ramp-up", "ramp-down")
 
 ShardMode = Literal["iid", "non-iid"]
@@ -137,6 +141,8 @@ class RunSpec:
             ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
             if not ok or isinstance(value, bool) != isinstance(default, bool):
                 raise ConfigError(f"run config field {name} has the wrong type")
+            if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+                raise ConfigError(f"run config field {name} is out of range")
         return cls(**data)
 
 
@@ -244,6 +250,11 @@ class PeerSpec:
     """Write TensorBoard event files (one scalar per metric per round) into this folder."""
     gpu_memory_fraction: float = 1.0
     """CUDA only: the share of the GPU's memory this peer may use (the rest stays free)."""
+    allowlist: str | None = None
+    """Private swarm: the run owner's signed allowlist (`diloco-peer allow`). Only listed keys
+    are admitted to groups, have their DHT records accepted and may download the state."""
+    chaos: str | None = None
+    """Test only: misbehave as MODE (peer/trust.py), so tests run a hostile peer for real."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

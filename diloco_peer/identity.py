@@ -11,10 +11,17 @@ Only RSA is supported: hivemind's identity check and its `RSASignatureValidator`
 
 Signatures are RSA-PSS (MGF1-SHA256, maximal salt) over SHA-256, as in `hivemind.utils.crypto`,
 but returned raw rather than base64-encoded.
+
+A public key file (`keygen` writes `KEY.pub` beside `KEY`) is one line,
+`diloco-peer-rsa <base64 libp2p PublicKey protobuf> <base58 peer id>`, so the key can be handed to
+a run owner (`diloco-peer allow`) and its peer id read without tools. `parse_public_key` reads
+that line, an OpenSSH `ssh-rsa` line, or a bare base64 libp2p public key.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import logging
 import os
@@ -30,7 +37,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from diloco_peer.errors import IdentityError
+from diloco_peer.errors import BadInput, IdentityError
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +45,9 @@ MIN_RSA_BITS = 2048
 MAX_RSA_BITS = 8192
 # A PKCS#1 DER key of 8192 bits is about 4.8 KiB; anything far larger is not a key file.
 MAX_KEY_FILE_BYTES = 16 * 1024
+
+PUBLIC_KEY_TAG = "diloco-peer-rsa"
+"""First word of a public key line (`public_key_line`)."""
 
 _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
 # What the protobuf and DER parsers raise on bytes that are not what they claim to be.
@@ -102,6 +112,104 @@ def peer_id_from_public_key(public_key: bytes) -> str:
     still maps to the one id libp2p gives that key.
     """
     return _peer_id_of(_load_public_key(public_key)).to_base58()
+
+
+def normalize_public_key(public_key: bytes) -> bytes:
+    """The canonical encoding of a libp2p `PublicKey` protobuf (the one `Identity.public_key`
+    uses), so that one key is always the same bytes; IdentityError on garbage."""
+    return _libp2p_public_key(_load_public_key(public_key))
+
+
+def public_key_line(public_key: bytes) -> str:
+    """`diloco-peer-rsa <base64 libp2p public key> <peer id>`: a public key file's one line."""
+    public_key = normalize_public_key(public_key)
+    encoded = base64.b64encode(public_key).decode("ascii")
+    return f"{PUBLIC_KEY_TAG} {encoded} {peer_id_from_public_key(public_key)}"
+
+
+def parse_public_key(text: str | bytes) -> bytes:
+    """The (normalized) libp2p public key of one line: a `public_key_line`, an OpenSSH
+    `ssh-rsa AAAA... [comment]` line, or a bare base64 libp2p public key. IdentityError otherwise.
+
+    A `public_key_line`'s peer id, when present, must be the key's: a line edited by hand (or
+    pasted with a typo) is refused rather than allowing some other key.
+    """
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("ascii")
+        except UnicodeDecodeError:
+            raise IdentityError("not a public key (not ASCII text)") from None
+    if not isinstance(text, str):
+        raise IdentityError(f"a public key must be text, got {type(text).__name__}")
+    words = text.split()
+    if not words:
+        raise IdentityError("not a public key (empty)")
+    if words[0].startswith("ssh-"):
+        return public_key_from_openssh(" ".join(words[:2]).encode("ascii"))
+    if words[0] == PUBLIC_KEY_TAG:
+        if len(words) not in (2, 3):
+            raise IdentityError(
+                f"a {PUBLIC_KEY_TAG} line is: {PUBLIC_KEY_TAG} <base64 key> <peer id>"
+            )
+        encoded, claimed = words[1], (words[2] if len(words) == 3 else None)
+    elif len(words) == 1:
+        encoded, claimed = words[0], None
+    else:
+        raise IdentityError("not a public key (neither diloco-peer-rsa, ssh-rsa nor base64)")
+    try:
+        decoded = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):  # ValueError: non-ASCII text
+        raise IdentityError(
+            "not a public key (neither diloco-peer-rsa, ssh-rsa nor base64)"
+        ) from None
+    public_key = normalize_public_key(decoded)
+    if claimed is not None and claimed != peer_id_from_public_key(public_key):
+        raise IdentityError(f"the key's peer id is not {claimed[:64]} as the line claims")
+    return public_key
+
+
+def write_file(
+    path: str | Path,
+    data: bytes,
+    *,
+    overwrite: bool = False,
+    private: bool = True,
+    error: type[BadInput] = IdentityError,
+) -> None:
+    """Write `data` to `path` atomically: mode 0600 when `private`, else 0644.
+
+    The data is written to a temp file in the same folder, then linked (or, with `overwrite`,
+    renamed) onto `path`, so a crash never leaves a half-written file under the real name and an
+    existing file is never replaced by accident. Failures raise `error` with one clear line.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise error(f"folder of {path} does not exist")
+    if path.exists() and not overwrite:
+        raise error(f"{path} exists; pass --overwrite to replace it")
+    try:
+        # mkstemp creates the file with mode 0600 regardless of the umask.
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise error(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if not private:
+                os.fchmod(f.fileno(), 0o644)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            # link() fails if `path` appeared since the check above: no race, no clobbering.
+            os.link(tmp, path)
+    except FileExistsError:
+        raise error(f"{path} exists; pass --overwrite to replace it") from None
+    except OSError as e:
+        raise error(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def public_key_from_openssh(data: bytes) -> bytes:
@@ -196,38 +304,14 @@ class Identity:
         ).SerializeToString()
 
     def save(self, path: str | Path, overwrite: bool = False) -> None:
-        """Write the key file atomically, readable by its owner only (mode 0600).
+        """Write the key file atomically, readable by its owner only (mode 0600); an existing
+        file is replaced only with `overwrite` (see `write_file`)."""
+        write_file(path, self.to_bytes(), overwrite=overwrite)
 
-        The key is written to a temp file in the same folder, then linked (or, with `overwrite`,
-        renamed) onto `path`, so a crash never leaves a half-written key under the real name and
-        an existing key is never replaced by accident.
-        """
-        path = Path(path)
-        if not path.parent.is_dir():
-            raise IdentityError(f"folder of {path} does not exist")
-        if path.exists() and not overwrite:
-            raise IdentityError(f"{path} exists; pass --overwrite to replace it")
-        try:
-            # mkstemp creates the file with mode 0600 regardless of the umask.
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        except OSError as e:
-            raise IdentityError(f"cannot write {path}: {e.strerror or e}") from None
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.to_bytes())
-                f.flush()
-                os.fsync(f.fileno())
-            if overwrite:
-                os.replace(tmp, path)
-            else:
-                # link() fails if `path` appeared since the check above: no race, no clobbering.
-                os.link(tmp, path)
-        except FileExistsError:
-            raise IdentityError(f"{path} exists; pass --overwrite to replace it") from None
-        except OSError as e:
-            raise IdentityError(f"cannot write {path}: {e.strerror or e}") from None
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+    def save_public_key(self, path: str | Path, overwrite: bool = False) -> None:
+        """Write the public key file (`public_key_line` and a newline, mode 0644)."""
+        line = public_key_line(self.public_key) + "\n"
+        write_file(path, line.encode("ascii"), overwrite=overwrite, private=False)
 
     @property
     def peer_id(self) -> PeerID:

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 
 from diloco_peer.averaging.allreduce import (
     _PART_HEADER,
+    _PROTOCOL_VERSION,
     AllReduceFailed,
     PartExchange,
     _Round,
@@ -52,6 +53,7 @@ from diloco_peer.averaging.compression import (
 )
 from diloco_peer.averaging.group_averager import GroupAverager, _flatten
 from diloco_peer.averaging.matchmaking import group_digest, pack_gather, validate_group
+from diloco_peer.averaging.robust import pack_answer
 
 PEER_SCRIPT = Path(__file__).with_name("_averager_peer.py")
 SHAPES = [[300_000], [17, 33], [5], [2, 3, 4]]
@@ -60,6 +62,7 @@ NUMEL = sum(SIZES)
 SCALE = 0.25  # pseudo-gradient-like values: |x| < 2, where fp16's rounding error stays < 1e-3
 READY_TIMEOUT_S = 60.0
 SLACK_S = 3.0
+NO_EXCLUSIONS = len(pack_answer({}, torch.zeros(0), "none"))  # an answer's head: u16 count 0
 # each peer process's averagers (tests/_averager_peer.py): codec and prune fraction
 AVERAGERS: dict[str, tuple[Compression, float]] = {
     "fp32": ("none", 0.0),
@@ -258,8 +261,8 @@ def check_traffic(
     def part(size: int) -> int:  # sender -> reducer: header frame, then the part's frame
         return 8 + _PART_HEADER.size + 8 + encoded_size(size, compression)
 
-    def answer(size: int) -> int:  # reducer -> sender: b"OK" + the averaged part
-        return 8 + 2 + encoded_size(size, compression)
+    def answer(size: int) -> int:  # reducer -> sender: b"OK" + no exclusions + the average
+        return 8 + 2 + NO_EXCLUSIONS + encoded_size(size, compression)
 
     members = sorted(p.peer_id for p in peers)
     for peer, result in zip(peers, answers, strict=True):
@@ -508,7 +511,7 @@ def _part_stream(
     """What a sender writes for one part (round key "v0", fp32), as the reducer reads it."""
     payload = encode(torch.tensor(values), "none")
     header = _PART_HEADER.pack(
-        b"DLCP", 1, digest, key_tag("v0"), index, 0, weight, len(values), 5.0
+        b"DLCP", _PROTOCOL_VERSION, digest, key_tag("v0"), index, 0, weight, len(values), 5.0
     )
     reader = asyncio.StreamReader()
     for frame in (header, payload):
@@ -588,7 +591,9 @@ def test_reducer_checks_every_part_against_the_agreed_group() -> None:
         last = _accept(exchange, two, _part_stream(digest, 0, 3.0, [4.0] * 3))
         for_one, for_two = await asyncio.wait_for(asyncio.gather(first, last), 1.0)
         assert for_one == for_two  # the same bytes for every member
-        assert torch.allclose(decode(for_one, 3, "none"), torch.full((3,), 17.0 / 6))
+        assert for_one[:NO_EXCLUSIONS] == b"\x00\x00"  # the answer excludes nobody
+        average = decode(for_one[NO_EXCLUSIONS:], 3, "none")
+        assert torch.allclose(average, torch.full((3,), 17.0 / 6))
         # each round: its accepted streams' frames, read in full; refused streams count for none
         framed_part = 8 + _PART_HEADER.size + 8 + 3 * 4
         assert await rnd.traffic(1.0) == (0, 2 * framed_part)

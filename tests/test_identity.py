@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import stat
 import subprocess
@@ -22,8 +23,11 @@ from diloco_peer.identity import (
     MAX_KEY_FILE_BYTES,
     Identity,
     IdentityError,
+    normalize_public_key,
+    parse_public_key,
     peer_id_from_public_key,
     public_key_from_openssh,
+    public_key_line,
     verify,
 )
 
@@ -250,6 +254,71 @@ def test_public_key_from_openssh_garbage(garbage: bytes) -> None:
         public_key_from_openssh(garbage)
 
 
+# ----------------------------------------------------------------------------- public key files
+
+
+def test_public_key_file_is_one_line_with_key_and_peer_id(ident: Identity, tmp_path: Path) -> None:
+    path = tmp_path / "peer.key.pub"
+    ident.save_public_key(path)
+    text = path.read_text()
+    assert text == public_key_line(ident.public_key) + "\n" and text.count("\n") == 1
+    tag, encoded, peer_id = text.split()
+    assert tag == "diloco-peer-rsa" and peer_id == ident.peer_id_str
+    assert base64.b64decode(encoded) == ident.public_key
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # public: anyone may read it
+    assert parse_public_key(text) == parse_public_key(path.read_bytes()) == ident.public_key
+    with pytest.raises(IdentityError, match="exists; pass --overwrite"):
+        ident.save_public_key(path)
+
+
+def test_parse_public_key_reads_every_documented_form(ident: Identity) -> None:
+    ssh = ident.hivemind_private_key().get_public_key().to_bytes()  # b"ssh-rsa AAAA..."
+    encoded = base64.b64encode(ident.public_key).decode()
+    for text in (
+        public_key_line(ident.public_key),
+        f"  diloco-peer-rsa {encoded}\n",  # the peer id is optional
+        encoded,
+        ssh,
+        ssh + b" alice@laptop",
+    ):
+        assert parse_public_key(text) == ident.public_key
+
+
+def test_normalize_public_key_maps_every_encoding_to_one(ident: Identity) -> None:
+    # An unknown protobuf field appended: the same key, other bytes, the same peer id.
+    padded = ident.public_key + b"\x18\x01"
+    assert padded != ident.public_key
+    assert normalize_public_key(padded) == ident.public_key
+    assert parse_public_key(base64.b64encode(padded)) == ident.public_key
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "empty"),
+        ("hello world", "neither"),
+        ("not*base64", "neither"),
+        ("AAAA", "not a libp2p public key"),
+        ("diloco-peer-rsa", "line is"),
+        ("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIK0", "OpenSSH RSA"),
+        (b"\xff\xfe", "not ASCII"),
+    ],
+)
+def test_parse_public_key_refuses_garbage_with_one_clear_error(
+    text: str | bytes, message: str
+) -> None:
+    with pytest.raises(IdentityError, match=message):
+        parse_public_key(text)
+
+
+def test_parse_public_key_refuses_a_line_whose_peer_id_is_not_the_keys(
+    ident: Identity, other: Identity
+) -> None:
+    tag, encoded, _ = public_key_line(ident.public_key).split()
+    with pytest.raises(IdentityError, match="peer id is not"):
+        parse_public_key(f"{tag} {encoded} {other.peer_id_str}")
+
+
 # ----------------------------------------------------------------------------- keygen command
 
 
@@ -266,10 +335,14 @@ def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(120)
 def test_keygen_writes_a_key_and_prints_its_peer_id(tmp_path: Path) -> None:
     path = tmp_path / "peer.key"
+    public = tmp_path / "peer.key.pub"
     result = cli("keygen", "--out", path)
     assert result.returncode == 0, result.stderr
     assert result.stdout == Identity.load(path).peer_id_str + "\n"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    # KEY.pub beside it: the same key, readable by anyone.
+    assert public.read_text() == public_key_line(Identity.load(path).public_key) + "\n"
+    assert stat.S_IMODE(public.stat().st_mode) == 0o644
 
     # An existing key is never replaced without --overwrite: exit 2, one line, file unchanged.
     before = path.read_bytes()
@@ -283,6 +356,17 @@ def test_keygen_writes_a_key_and_prints_its_peer_id(tmp_path: Path) -> None:
     replaced = cli("keygen", "--out", path, "--overwrite")
     assert replaced.returncode == 0, replaced.stderr
     assert replaced.stdout.strip() == Identity.load(path).peer_id_str != result.stdout.strip()
+    assert parse_public_key(public.read_text()) == Identity.load(path).public_key
+
+
+@pytest.mark.timeout(120)
+def test_keygen_refuses_an_existing_public_key_file_and_writes_nothing(tmp_path: Path) -> None:
+    path, public = tmp_path / "peer.key", tmp_path / "peer.key.pub"
+    public.write_text("someone else's key\n")
+    refused = cli("keygen", "--out", path)
+    assert refused.returncode == 2, refused
+    assert refused.stderr.count("\n") == 1 and "peer.key.pub exists" in refused.stderr
+    assert not path.exists() and public.read_text() == "someone else's key\n"
 
 
 # ----------------------------------------------------------------------------- a real DHT

@@ -125,6 +125,11 @@ def test_swarm_settings_refuse_bad_values(kwargs: dict[str, Any]) -> None:
         ({"group_size": True}, "wrong type"),
         ({"grace_s": "5"}, "wrong type"),
         ({"protocol": 1}, "wrong type"),
+        ({"grace_s": 10**400}, "out of range"),
+        ({"group_size": 2**63}, "out of range"),
+        ({"aggregation": "median"}, "unknown aggregation"),
+        ({"min_cosine": 1.5}, "min_cosine"),
+        ({"norm_factor": 0.5}, "norm_factor"),
         ([], "must be a table"),
     ],
 )
@@ -479,6 +484,27 @@ def test_validators_accept_own_records_and_refuse_forgeries(
     assert not mine.validate(_signed(mine, too_big))
     # Other components' keys stay usable.
     assert mine.validate(_signed(mine, _record("something_else", b"sub", 42)))
+
+
+def test_a_private_swarms_nodes_refuse_records_of_keys_not_on_the_allowlist(
+    owner: Identity, stranger: Identity, signed: SignedManifest
+) -> None:
+    private = CompositeValidator(
+        record_validators(owner, RUN, allowed=frozenset({owner.peer_id_str}))
+    )
+    theirs = CompositeValidator(record_validators(stranger, RUN))
+    mine = CompositeValidator(record_validators(owner, RUN))
+    heads, manifest = f"{RUN}_heads", f"{RUN}_manifest"
+    own_head = PeerHead(peer_id=owner.peer_id_str, version=1, state_hash=HASH_A).to_record()
+    their_head = PeerHead(peer_id=stranger.peer_id_str, version=1, state_hash=HASH_A).to_record()
+    assert private.validate(_signed(mine, _record(heads, owner_subkey(owner), own_head)))
+    # validly signed by the stranger, but the stranger is not on the allowlist
+    their_record = _record(heads, owner_subkey(stranger), their_head)
+    assert mine.validate(_signed(theirs, their_record))  # an open swarm takes it
+    assert not private.validate(_signed(theirs, their_record))
+    republished = _record(manifest, owner_subkey(stranger), signed.to_bytes())
+    assert private.validate(_signed(theirs, republished))  # verified by the owner's signature
+    assert private.validate(_signed(theirs, _record("something_else", b"sub", 42)))
 
 
 def test_owner_subkey_is_the_validators_public_key(owner: Identity) -> None:

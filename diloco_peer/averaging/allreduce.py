@@ -6,11 +6,22 @@ un-averaged. Here each part has exactly one reducer, which
 
 1. receives that part of every member's flat fp32 vector (members sorted by base58 peer id,
    the vector cut into len(members) near-equal contiguous parts, member i reduces part i),
-2. combines them with `reduce_part` in sorted member order,
-3. serializes the average ONCE and returns those same bytes to every member, itself included,
+2. screens them and combines the rest in sorted member order (robust.py: `answer_part`),
+3. serializes the average and the list of excluded members ONCE and returns those same bytes
+   to every member, itself included,
 
-so every member decodes identical bytes into identical tensors. Any part that fails or times out
-fails the whole round on every member that needs it: no partial result is ever returned.
+so every member decodes identical bytes into identical tensors and the same exclusions. Any part
+that fails or times out fails the whole round on every member that needs it: no partial result
+is ever returned.
+
+Screening (DESIGN.md §4, robust.py) costs no round trip: a reducer leaves out of its part's
+aggregate a member whose part is not finite, longer than the L2 norm that member declared for its
+whole vector (`bounds`), pointing away from the others (`Aggregation.min_cosine`), or undecodable.
+The round goes on with the others; every member learns who was excluded from which part
+(`AllReduceResult.excluded`). The sender of a non-finite or too long part still gets the answer,
+the sender of undecodable bytes a refusal. A part that never arrives whole (a broken stream, a
+timeout, a frame longer than the part's encoding, refused unread) still fails the round, as a
+crashed member does; so does a part from which every member is excluded.
 
 Wire protocol, one libp2p stream per (sender, part) on the handler `<prefix>-part`, each message
 framed as hivemind's `P2P.send_raw_data` does (8-byte big-endian length, then the payload):
@@ -18,7 +29,15 @@ framed as hivemind's `P2P.send_raw_data` does (8-byte big-endian length, then th
     sender  -> reducer : _PART_HEADER (fixed struct, below)
     sender  -> reducer : the part, `numel` values encoded by compression.py's codec (fp32, fp16,
                          int8 or int4 blockwise; the header names it, every member uses the same)
-    reducer -> sender  : b"OK" + the averaged part (same encoding)  |  b"ER" + utf-8 reason
+    reducer -> sender  : b"OK" + exclusions + the averaged part (same encoding)
+                         | b"ER" + utf-8 reason
+    exclusions         : u16 count, then count × (u16 member index, u8 reason code), indices
+                         strictly increasing (little-endian; codes: robust.Reason, 1 non-finite,
+                         2 norm, 3 cosine, 4 malformed); count < number of members
+
+A member refuses an answer (AllReduceFailed) whose length is not exactly that, whose indices or
+codes are out of range, or whose average is not finite or longer than the aggregate of the
+included members' declared norms can be (`robust.average_norm_limit`).
 
 Lossy codecs lose precision twice: once on each member's part (the reducer decodes it before
 reducing), once on the average (encoded once by the reducer, decoded by everyone).
@@ -42,7 +61,7 @@ import logging
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -57,6 +76,17 @@ from diloco_peer.averaging.compression import (
     encode,
     encoded_size,
 )
+from diloco_peer.averaging.robust import (
+    Aggregation,
+    Exclusion,
+    Reason,
+    answer_part,
+    answer_size,
+    check_bounds,
+    describe_exclusions,
+    unpack_answer,
+)
+from diloco_peer.averaging.robust import reduce_part as reduce_part  # re-exported
 from diloco_peer.errors import AllReduceFailed
 from diloco_peer.p2p_service import STREAM_ERRORS
 
@@ -67,8 +97,10 @@ logger = logging.getLogger(__name__)
 # the round yet knows how long to wait)
 _PART_HEADER = struct.Struct("<4sB32s8sIBdQd")
 _MAGIC = b"DLCP"
-_PROTOCOL_VERSION = 1
+_PROTOCOL_VERSION = 2  # 2: answers carry exclusions
 
+_ANSWER_LINGER_S = 10.0
+"""How long a reducer waits for a member to close an answered stream before closing it."""
 _HEADER_TIMEOUT_S = 10.0
 """How long a reducer waits for the header of a stream it did not open."""
 _UNKNOWN_ROUND_WAIT_S = 30.0
@@ -87,23 +119,6 @@ _P2P_ERRORS = (*STREAM_ERRORS, ValueError)
 IncompleteReadError an EOFError); each becomes AllReduceFailed."""
 
 
-def reduce_part(parts: list[Tensor], weights: list[float]) -> Tensor:
-    """Combine one part of every member: Σ_j w_j x_j / Σ_j w_j, summed in the order given.
-
-    The hook for robust aggregation (DESIGN.md §4: clipping around the median, trimmed mean):
-    anything that maps the members' parts (each 1-D fp32, same length, in sorted member order)
-    and their weights to one 1-D fp32 tensor can replace it. Only the reducer runs it, so it need
-    not be bit-reproducible across machines, only free of NaN.
-    """
-    if not parts or len(parts) != len(weights):
-        raise ValueError(f"reduce_part needs one weight per part, got {len(parts)}, {len(weights)}")
-    total = math.fsum(weights)
-    acc = torch.zeros_like(parts[0], dtype=torch.float32)
-    for part, weight in zip(parts, weights, strict=True):
-        acc.add_(part, alpha=weight)
-    return acc.div_(total)
-
-
 def part_sizes(numel: int, num_parts: int) -> list[int]:
     """Sizes of `num_parts` near-equal contiguous parts, larger ones first (torch.tensor_split)."""
     base, extra = divmod(numel, num_parts)
@@ -111,30 +126,55 @@ def part_sizes(numel: int, num_parts: int) -> list[int]:
 
 
 def all_reduce_in_memory(
-    contributions: Sequence[Tensor], weights: Sequence[float], compression: Compression
+    contributions: Sequence[Tensor],
+    weights: Sequence[float],
+    compression: Compression,
+    aggregation: Aggregation = Aggregation(),
+    bounds: Sequence[float | None] | None = None,
 ) -> Tensor:
     """What `PartExchange.all_reduce` returns on every member, computed in one process.
 
     `contributions` are the members' flat fp32 vectors in sorted member order. Each is cut into
     parts as the network round cuts it, each part encoded and decoded (the sender's bytes), the
-    parts reduced with `reduce_part`, each average encoded and decoded once (the reducer's bytes):
-    the same calls in the same order, so the same bits. Raises AllReduceFailed where a reducer
-    would refuse (a non-finite average).
+    parts screened and aggregated and the answer packed by `answer_part` (the reducer's bytes),
+    then unpacked as a member checks it: the same calls in the same order, so the same bits. Raises AllReduceFailed where a round would fail (a non-finite average, every member
+    excluded from a part).
     """
+    average, _ = all_reduce_in_memory_detailed(
+        contributions, weights, compression, aggregation, bounds
+    )
+    return average
+
+
+def all_reduce_in_memory_detailed(
+    contributions: Sequence[Tensor],
+    weights: Sequence[float],
+    compression: Compression,
+    aggregation: Aggregation = Aggregation(),
+    bounds: Sequence[float | None] | None = None,
+) -> tuple[Tensor, dict[int, str]]:
+    """`all_reduce_in_memory`, plus the exclusions every member would learn: member index ->
+    why (as `AllReduceResult.excluded` words it)."""
     if not contributions or len(contributions) != len(weights):
         raise ValueError("all_reduce_in_memory needs one weight per contribution")
     numel = contributions[0].numel()
     if any(c.dim() != 1 or c.numel() != numel for c in contributions):
         raise ValueError("contributions must be 1-D tensors of the same length")
+    check_bounds(bounds, len(contributions))
+    weights = [float(w) for w in weights]
     split = [torch.tensor_split(c, len(contributions)) for c in contributions]
-    averaged = []
+    averaged, by_part = [], {}
     for j, size in enumerate(part_sizes(numel, len(contributions))):
         received = [decode(encode(parts[j], compression), size, compression) for parts in split]
-        average = reduce_part(received, [float(w) for w in weights])
-        if not bool(torch.isfinite(average).all()):
-            raise AllReduceFailed(f"part {j}: the reduced part is not finite")
-        averaged.append(decode(encode(average, compression), size, compression))
-    return torch.cat(averaged)
+        try:
+            answer, _ = answer_part(received, weights, bounds, aggregation, compression, size)
+            by_part[j], average = unpack_answer(
+                answer, bounds, aggregation, compression, members=len(split), numel=size
+            )
+        except AllReduceFailed as e:
+            raise AllReduceFailed(f"part {j}: {e}") from None
+        averaged.append(average)
+    return torch.cat(averaged), describe_exclusions(by_part)
 
 
 async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
@@ -185,9 +225,12 @@ class _Round:
         compression: Compression,
         numel: int,
         timeout_s: float,
+        aggregation: Aggregation = Aggregation(),
+        bounds: Sequence[float | None] | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.key, self.digest, self.compression = key, digest, compression
+        self.aggregation, self.bounds = aggregation, None if bounds is None else list(bounds)
         self.members = list(members)
         self.weights = [float(w) for w in weights]
         self.me = me
@@ -197,7 +240,8 @@ class _Round:
         self.claimed: set[str] = (
             set()
         )  # senders whose part stream was accepted (duplicates refused)
-        self.received: dict[str, Tensor] = {}
+        self.received: dict[str, Tensor | Exclusion] = {}
+        self._reduction: asyncio.Future[None] | None = None  # referenced while it runs
         self.result: asyncio.Future[bytes] = loop.create_future()
         self.result.add_done_callback(_consume)
         # frames of this round's streams, both ends, both roles (a reducer's answer is counted
@@ -245,17 +289,41 @@ class _Round:
             logger.debug("%s traffic counted without %d answers", self.tag, self._unanswered)
         return self.bytes_sent, self.bytes_received
 
-    def deliver(self, sender: str, part: Tensor) -> None:
-        """Store a member's part; the last one in triggers the reduction (in sorted order)."""
+    def deliver(self, sender: str, part: Tensor | Exclusion) -> None:
+        """Store a member's decoded part (or why it could not be decoded); the last one in
+        starts the reduction (in sorted member order)."""
         self.received[sender] = part
         if len(self.received) < len(self.members) or self.result.done():
             return
-        average = reduce_part([self.received[m] for m in self.members], self.weights)
-        if not bool(torch.isfinite(average).all()):
-            self.fail("the reduced part is not finite")
+        received = [self.received.pop(m) for m in self.members]
+        self._reduction = asyncio.ensure_future(self._reduce(received))
+
+    async def _reduce(self, received: list[Tensor | Exclusion]) -> None:
+        """Screen, aggregate and serialize the answer once, for all, in a worker thread: robust
+        methods take up to ~1 s for 16 parts of 4M floats (bench/robust_aggregation.py), which
+        must not stall the loop's other streams (torch releases the GIL)."""
+        try:
+            answer, excluded = await asyncio.to_thread(
+                answer_part,
+                received,
+                self.weights,
+                self.bounds,
+                self.aggregation,
+                self.compression,
+                self.sizes[self.my_index],
+            )
+        except AllReduceFailed as e:
+            self.fail(str(e))
             return
-        self.result.set_result(encode(average, self.compression))  # serialized once, for all
-        self.received.clear()  # the inputs are no longer needed
+        except Exception as e:  # a bug here must fail the round now, not at its timeout
+            logger.exception("%s reducing part %d failed", self.tag, self.my_index)
+            self.fail(f"{type(e).__name__}: {e}")
+            return
+        if excluded:  # the details stay here; the answer carries only the reason codes
+            details = "; ".join(f"{_short(self.members[i])}: {e}" for i, e in excluded.items())
+            logger.warning("%s part %d excluded %s", self.tag, self.my_index, details)
+        if not self.result.done():  # the round may have failed meanwhile
+            self.result.set_result(answer)
 
 
 @dataclass(frozen=True)
@@ -268,18 +336,35 @@ class AllReduceResult:
     """Frames (8-byte length prefix + payload) this peer wrote to the round's part streams."""
     bytes_received: int
     """Frames this peer read from them."""
+    excluded: dict[str, str]
+    """Member peer id -> why some reducer left its part out (e.g. "non-finite (parts 0, 2)"),
+    the same on every member. Each part's reducer claims its own exclusions: the part index
+    names the accuser (members[j] reduces part j)."""
+    accusations: dict[str, int] = field(default_factory=dict)
+    """Member peer id -> how many parts' reducers excluded it (a member banned on the word of
+    most reducers, not of one, which may be hostile)."""
 
 
 class PartExchange:
     """Serves my parts as a reducer and runs rounds as a member; lives in one asyncio loop.
 
     One instance per `GroupAverager`, on a P2P replica of the DHT's daemon (same peer id).
+    Every member of a group must use the same `compression` and `aggregation`: a member checks
+    each answer against the bound of its own aggregation method.
     """
 
-    def __init__(self, p2p: P2P, prefix: str, compression: Compression) -> None:
+    def __init__(
+        self,
+        p2p: P2P,
+        prefix: str,
+        compression: Compression,
+        aggregation: Aggregation = Aggregation(),
+    ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-        self._p2p, self._compression = p2p, compression
+        if not isinstance(aggregation, Aggregation):
+            raise ValueError(f"aggregation must be an Aggregation, got {aggregation!r}")
+        self._p2p, self._compression, self._aggregation = p2p, compression, aggregation
         self.handler_name = f"{prefix}-part"
         self._me = p2p.peer_id.to_base58()
         self._rounds: dict[bytes, _Round] = {}
@@ -334,14 +419,19 @@ class PartExchange:
         weights: Sequence[float],
         flat: Tensor,
         allreduce_timeout_s: float,
+        bounds: Sequence[float | None] | None = None,
     ) -> AllReduceResult:
         """Average `flat` (1-D fp32) with the group; the same bits on every member, or raise.
 
-        `members` (sorted), `weights` (same order) and `digest` must be what every member agreed
-        on at matchmaking; a member whose view differs sends parts no reducer accepts.
-        Raises AllReduceFailed if any part fails or the round outlives `allreduce_timeout_s`.
-        The result counts the bytes of this round's part streams only (see the module docstring).
+        `members` (sorted), `weights` and `bounds` (same order) and `digest` must be what every
+        member agreed on at matchmaking; a member whose view differs sends parts no reducer
+        accepts, or checks answers differently. `bounds[i]` is member i's declared L2 norm of
+        its whole `flat`, or any larger number such as its δ's norm before pruning (None: not
+        checked); the caller validates them (ValueError for a negative or NaN one). Raises AllReduceFailed if any
+        part fails or the round outlives `allreduce_timeout_s`. The result counts the bytes of
+        this round's part streams only (see the module docstring).
         """
+        check_bounds(bounds, len(members))
         rnd = _Round(
             key=key,
             digest=digest,
@@ -351,6 +441,8 @@ class PartExchange:
             compression=self._compression,
             numel=flat.numel(),
             timeout_s=allreduce_timeout_s,
+            aggregation=self._aggregation,
+            bounds=bounds,
         )
         self._rounds[digest] = rnd
         self._pending_keys.pop(digest, None)
@@ -359,7 +451,7 @@ class PartExchange:
             started.set()  # parts that came before the round started here
         self.close_key(key)
         parts = torch.tensor_split(flat, len(rnd.members))
-        sends: list[asyncio.Task[bytes]] = []
+        sends: list[asyncio.Task[tuple[dict[int, Reason], Tensor]]] = []
         try:
             for j, member in enumerate(rnd.members):
                 if member == self._me:
@@ -387,7 +479,7 @@ class PartExchange:
                 raise AllReduceFailed(
                     f"{rnd.tag} timed out after {allreduce_timeout_s} s; no average yet of parts {late}"
                 )
-            averaged = [task.result() for task in sends]
+            answers = [task.result() for task in sends]
             bytes_sent, bytes_received = await rnd.traffic(max(rnd.remaining_s(), 1.0))
         except BaseException as e:
             rnd.fail(f"round aborted on its reducer: {e}")
@@ -397,25 +489,46 @@ class PartExchange:
                 task.cancel()
             loop = asyncio.get_running_loop()
             loop.call_later(_CLOSED_ROUND_RETAIN_S, self._forget, digest)
-        average = torch.cat(
-            [
-                decode(data, size, self._compression)
-                for data, size in zip(averaged, rnd.sizes, strict=True)
-            ]
+        described = describe_exclusions({j: reasons for j, (reasons, _) in enumerate(answers)})
+        return AllReduceResult(
+            average=torch.cat([average for _, average in answers]),
+            bytes_sent=bytes_sent,
+            bytes_received=bytes_received,
+            excluded={rnd.members[i]: why for i, why in described.items()},
+            accusations={
+                rnd.members[i]: sum(i in reasons for reasons, _ in answers) for i in described
+            },
         )
-        return AllReduceResult(average, bytes_sent, bytes_received)
+
+    def _read_answer(self, rnd: _Round, j: int, body: bytes) -> tuple[dict[int, Reason], Tensor]:
+        """Part j's exclusions and decoded average, checked (robust.unpack_answer)."""
+        try:
+            return unpack_answer(
+                body,
+                rnd.bounds,
+                self._aggregation,
+                self._compression,
+                members=len(rnd.members),
+                numel=rnd.sizes[j],
+            )
+        except AllReduceFailed as e:
+            reducer = _short(rnd.members[j])
+            raise AllReduceFailed(f"part {j}: reducer {reducer} answered badly: {e}") from None
 
     def _forget(self, digest: bytes) -> None:
         self._rounds.pop(digest, None)
 
-    async def _own_result(self, rnd: _Round) -> bytes:
+    async def _own_result(self, rnd: _Round) -> tuple[dict[int, Reason], Tensor]:
         try:
-            return await asyncio.wait_for(asyncio.shield(rnd.result), rnd.remaining_s())
+            body = await asyncio.wait_for(asyncio.shield(rnd.result), rnd.remaining_s())
         except asyncio.TimeoutError:
             missing = [_short(m) for m in rnd.members if m not in rnd.claimed]
             raise AllReduceFailed(f"my part never received the parts of {missing}") from None
+        return self._read_answer(rnd, rnd.my_index, body)  # as every member reads it
 
-    async def _send_part(self, rnd: _Round, j: int, part: Tensor) -> bytes:
+    async def _send_part(
+        self, rnd: _Round, j: int, part: Tensor
+    ) -> tuple[dict[int, Reason], Tensor]:
         reducer = rnd.members[j]
         header = _PART_HEADER.pack(
             _MAGIC,
@@ -444,9 +557,9 @@ class PartExchange:
         if status == _ERROR:
             reason = body.decode("utf-8", errors="replace")
             raise AllReduceFailed(f"part {j}: reducer {_short(reducer)} refused: {reason}")
-        if status != _OK or len(body) != len(payload):
+        if status != _OK:
             raise AllReduceFailed(f"part {j}: malformed answer from reducer {_short(reducer)}")
-        return body
+        return self._read_answer(rnd, j, body)  # checked now: a bad answer fails the round now
 
     async def _exchange(self, rnd: _Round, reducer: PeerID, header: bytes, payload: bytes) -> bytes:
         """Open a stream, send header and part, read the answer (the caller bounds the time)."""
@@ -456,7 +569,8 @@ class PartExchange:
             await P2P.send_raw_data(header, writer)
             rnd.bytes_sent += _framed(payload)
             await P2P.send_raw_data(payload, writer)
-            response = await _read_frame(reader, 2 + max(len(payload), _MAX_REASON_BYTES))
+            most = answer_size(len(rnd.members), len(payload))  # the average: as long as my part
+            response = await _read_frame(reader, 2 + max(most, _MAX_REASON_BYTES))
             rnd.bytes_received += _framed(response)
             return response
         finally:
@@ -473,6 +587,14 @@ class PartExchange:
         sender = info.peer_id.to_base58()  # authenticated by libp2p, unlike anything in the header
         try:
             await self._serve_part(sender, reader, writer)
+            # Close only once the member has read the answer and closed its end (or after a
+            # while): closing right after the last write sometimes cut the answer short on the
+            # member's side (IncompleteReadError seen under load, 6 peers on 2 cores).
+            await asyncio.wait_for(reader.read(1), _ANSWER_LINGER_S)
+        except asyncio.TimeoutError:
+            logger.debug(
+                "%s kept the answer stream open past %.0f s", _short(sender), _ANSWER_LINGER_S
+            )
         except _P2P_ERRORS as e:
             logger.debug("answer to %s not delivered: %r", _short(sender), e)
         finally:
@@ -564,18 +686,24 @@ class PartExchange:
         return rnd
 
     async def _reduce_part(self, rnd: _Round, sender: str, reader: asyncio.StreamReader) -> bytes:
-        """Read an accepted member's part; return the round's average once every part is in."""
+        """Read an accepted member's part; return the round's answer once every part is in.
+
+        A part that arrives whole but does not decode is excluded and its sender refused (an
+        AllReduceFailed here); one that does not arrive whole fails the round.
+        """
         numel = rnd.sizes[rnd.my_index]
         expected_bytes = encoded_size(numel, rnd.compression)
         try:
             payload = await asyncio.wait_for(_read_frame(reader, expected_bytes), rnd.remaining_s())
             rnd.bytes_received += _framed(payload)
-            part = decode(payload, numel, rnd.compression)
-            if not bool(torch.isfinite(part).all()):
-                raise AllReduceFailed("part is not finite")
         except (AllReduceFailed, *_P2P_ERRORS) as e:
             # a member's part is lost: the round cannot complete, so tell everyone now
             rnd.fail(f"the part of {_short(sender)} failed: {type(e).__name__}: {e}")
             raise
+        try:
+            part: Tensor | Exclusion = decode(payload, numel, rnd.compression)
+        except AllReduceFailed as e:
+            rnd.deliver(sender, Exclusion(Reason.MALFORMED, str(e)))
+            raise AllReduceFailed(f"malformed part, excluded: {e}") from None
         rnd.deliver(sender, part)
         return await asyncio.wait_for(asyncio.shield(rnd.result), rnd.remaining_s())

@@ -31,7 +31,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,7 +39,8 @@ from torch import Tensor
 
 from diloco_peer.averaging.allreduce import AllReduceFailed, PartExchange
 from diloco_peer.averaging.compression import COMPRESSIONS, Compression, prune
-from diloco_peer.averaging.matchmaking import HANDLER_TIMEOUT_S, NoGroup, form_group
+from diloco_peer.averaging.matchmaking import HANDLER_TIMEOUT_S, Group, NoGroup, form_group
+from diloco_peer.averaging.robust import Aggregation
 from diloco_peer.p2p_service import P2PService, P2PServiceStopped, wait_ready
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,28 @@ class GroupResult:
     """Seconds from the call to the group being formed (hivemind's matchmaking)."""
     allreduce_s: float
     """Seconds from the group being formed to this peer holding the average."""
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Members whose δ was kept out, with the reason: by the admission check before the
+    all-reduce (then they are not in `members`), or by a part reducer (then they are in
+    `members` but not in `contributors`). Identical on every member."""
+    accusations: dict[str, int] = field(default_factory=dict)
+    """For members a part reducer excluded: how many of the `len(members)` reducers did."""
+
+    @property
+    def contributors(self) -> list[str]:
+        """The members whose δ is in the average (in every part of it)."""
+        return [m for m in self.members if m not in self.excluded]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Which members of a formed group take part in its all-reduce (the caller's screening of
+    their signed headers, `contribution.screen_group`); the same on every honest member."""
+
+    bounds: dict[str, float | None]
+    """Admitted members and each one's declared δ norm, which bounds the norm of its parts."""
+    excluded: dict[str, str]
+    """Members kept out, with the reason."""
 
 
 def _positive(name: str, value: float) -> float:
@@ -130,9 +153,14 @@ class GroupAverager:
         sparse). Both settings come from the run manifest (RunSpec.compression,
         RunSpec.prune_fraction) and are part of the group schema: averagers that differ in
         either never form a group together.
+    :param aggregation: how each part reducer combines and screens the members' parts
+        (robust.py: mean, trimmed mean or centered clipping; the minimum cosine). From the
+        manifest, like compression.
     :param on_group: called in the loop thread with (key, sorted members) once a group is
         formed, before any part is sent. For metrics and for fault injection in tests
         ("kill this peer right after it joined a group").
+    :param tamper: test-only (`join --chaos`): applied to the flat vector after its checks, so
+        a hostile peer can send what an honest one never would (NaN, a scaled or random δ).
     """
 
     def __init__(
@@ -142,7 +170,9 @@ class GroupAverager:
         *,
         compression: Compression = "none",
         prune_fraction: float = 0.0,
+        aggregation: Aggregation | None = None,
         on_group: Callable[[str, list[str]], None] | None = None,
+        tamper: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         if not _NAME.fullmatch(prefix):
             raise ValueError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
@@ -156,7 +186,9 @@ class GroupAverager:
             raise ValueError(f"prune_fraction must be a number in [0, 1), got {prune_fraction!r}")
         self._service, self._prefix, self._compression = service, prefix, compression
         self._prune_fraction = float(prune_fraction)
+        self._aggregation = aggregation or Aggregation()
         self._on_group = on_group
+        self._tamper = tamper
         self._ready: concurrent.futures.Future[None] | None = None
         self._exchange: PartExchange | None = None
         self._peer_id: str | None = None
@@ -201,7 +233,7 @@ class GroupAverager:
 
     async def _setup(self) -> None:
         p2p = await self._service.ready(_SETUP_TIMEOUT_S)
-        exchange = PartExchange(p2p, self._prefix, self._compression)
+        exchange = PartExchange(p2p, self._prefix, self._compression, self._aggregation)
         await exchange.start(HANDLER_TIMEOUT_S)
         self._exchange = exchange
         self._peer_id = self._service.peer_id
@@ -225,8 +257,13 @@ class GroupAverager:
         target_size: int,
         matchmaking_timeout_s: float,
         allreduce_timeout_s: float,
+        admit: Callable[[Group], Admission] | None = None,
     ) -> GroupResult:
         """Form a group with the peers calling with the same `key`, then average with it.
+
+        `admit`, called in the loop thread once the group is formed, decides which members take
+        part (their signed headers are in `Group.gathered`); without it, all of them do. If it
+        leaves this peer alone, that is NoGroup.
 
         The group closes once `target_size` members are in, or with whoever came (at least two)
         when about `matchmaking_timeout_s` has passed. Returns in at most
@@ -244,6 +281,8 @@ class GroupAverager:
         if not isinstance(gather, bytes) or len(gather) > _MAX_GATHER_BYTES:
             raise ValueError(f"gather must be bytes of at most {_MAX_GATHER_BYTES}")
         flat = _flatten(tensors, self._prune_fraction)
+        if self._tamper is not None:
+            flat = self._tamper(flat)
         shapes = [tuple(t.shape) for t in tensors]
         ready = self._ready
         if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
@@ -266,6 +305,7 @@ class GroupAverager:
                 target_size=target_size,
                 matchmaking_timeout_s=matchmaking_timeout_s,
                 allreduce_timeout_s=allreduce_timeout_s,
+                admit=admit,
             )
             return self._service.run(self._tracked(round_), budget_s)
         except NoGroup as e:
@@ -302,6 +342,7 @@ class GroupAverager:
         target_size: int,
         matchmaking_timeout_s: float,
         allreduce_timeout_s: float,
+        admit: Callable[[Group], Admission] | None,
     ) -> GroupResult:
         p2p, exchange = self._service.p2p, self._exchange
         if exchange is None:
@@ -309,7 +350,10 @@ class GroupAverager:
         tag = f"[{self.peer_id[-6:]} round={key}]"
         # peers whose tensors differ in layout or encoding must never meet: hivemind rejects a
         # join request whose schema hash differs from the leader's
-        schema = f"{self._prefix}|{key}|{self._compression}|{self._prune_fraction!r}|{shapes}"
+        schema = (
+            f"{self._prefix}|{key}|{self._compression}|{self._prune_fraction!r}|{shapes}|"
+            f"{self._aggregation!r}"  # members check averages against their own aggregation
+        )
         schema_hash = hashlib.sha256(schema.encode()).digest()
         started = time.perf_counter()
         exchange.open_key(key)
@@ -332,36 +376,70 @@ class GroupAverager:
         logger.info("%s group of %d formed in %.2f s", tag, len(group.members), formed - started)
         if self._on_group is not None:
             self._on_group(key, list(group.members))
+        admission = (
+            admit(group) if admit is not None else Admission({m: None for m in group.members}, {})
+        )
+        members = tuple(m for m in group.members if m in admission.bounds)
+        excluded = dict(admission.excluded)
+        if excluded:
+            logger.warning("%s kept out of the round: %s", tag, _describe(excluded))
+        if self.peer_id not in members:
+            exchange.close_key(key)
+            reason = excluded.get(self.peer_id, "not admitted")
+            raise AllReduceFailed(f"{tag} my contribution was not admitted: {reason}")
+        if len(members) == 1:
+            # Everyone else was kept out: no group. (Applying my δ alone here could fork the
+            # state while the honest peers averaged in a group of their own.)
+            exchange.close_key(key)
+            raise NoGroup(f"{tag} every other member was kept out: {_describe(excluded)}")
+        weights = dict(zip(group.members, group.weights, strict=True))
+        # every admitted member derives the same digest from the same admission
+        digest = hashlib.sha256(group.digest + "|".join(members).encode()).digest()
         reduced = await exchange.all_reduce(
             key=key,
-            digest=group.digest,
-            members=group.members,
-            weights=group.weights,
+            digest=digest,
+            members=members,
+            weights=[weights[m] for m in members],
             flat=flat,
             allreduce_timeout_s=allreduce_timeout_s,
+            bounds=[admission.bounds[m] for m in members],
         )
+        average, sent, received = reduced.average, reduced.bytes_sent, reduced.bytes_received
+        if reduced.excluded:
+            logger.warning("%s parts refused: %s", tag, _describe(reduced.excluded))
+        excluded.update(reduced.excluded)
         done = time.perf_counter()
         logger.info(
             "%s all-reduce of %d floats done in %.2f s (%d B sent, %d B received)",
             tag,
-            reduced.average.numel(),
+            average.numel(),
             done - formed,
-            reduced.bytes_sent,
-            reduced.bytes_received,
+            sent,
+            received,
         )
         sizes = [math.prod(shape) for shape in shapes]
-        parts = reduced.average.split(sizes)
+        parts = average.split(sizes)
         return GroupResult(
             average=[part.view(shape) for part, shape in zip(parts, shapes, strict=True)],
-            members=list(group.members),
-            weights=dict(zip(group.members, group.weights, strict=True)),
-            gathered=dict(zip(group.members, group.gathered, strict=True)),
+            members=list(members),
+            weights={
+                m: w for m, w in zip(group.members, group.weights, strict=True) if m in members
+            },
+            gathered={
+                m: g for m, g in zip(group.members, group.gathered, strict=True) if m in members
+            },
             group_id=group.group_id,
-            bytes_sent=reduced.bytes_sent,
-            bytes_received=reduced.bytes_received,
+            bytes_sent=sent,
+            bytes_received=received,
             matchmaking_s=formed - started,
             allreduce_s=done - formed,
+            excluded=excluded,
+            accusations=reduced.accusations,
         )
 
 
-__all__ = ["AllReduceFailed", "GroupAverager", "GroupResult", "NoGroup"]
+def _describe(excluded: dict[str, str]) -> str:
+    return "; ".join(f"{peer[-6:]}: {reason}" for peer, reason in sorted(excluded.items()))
+
+
+__all__ = ["Admission", "AllReduceFailed", "GroupAverager", "GroupResult", "NoGroup"]

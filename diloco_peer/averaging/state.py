@@ -93,7 +93,8 @@ class ReplicatedState:
             version, digest = int(meta["version"]), str(meta["manifest"])
             shard_samples = [int(x) for x in meta["shard_samples"]]
             outer_meta = dict(meta["outer"])
-        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+        # OverflowError: int(Infinity) (json.loads reads it); RecursionError: deep nesting.
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
             raise ConfigError(f"malformed state metadata ({e})") from e
         if digest != self.manifest_digest:
             raise ConfigError("state belongs to another run manifest")

@@ -39,7 +39,15 @@ app = typer.Typer(
 
 def _register() -> None:
     # Imported for their side effect of adding commands to `app`.
-    from diloco_peer.cli import export_cmd, keygen_cmd, plot_cmd, sim_cmd, swarm_cmd  # noqa: F401
+    from diloco_peer.cli import (  # noqa: F401
+        allow_cmd,
+        doctor_cmd,
+        export_cmd,
+        keygen_cmd,
+        plot_cmd,
+        sim_cmd,
+        swarm_cmd,
+    )
 
 
 def configure_logging(verbose: bool = False) -> None:
@@ -60,7 +68,11 @@ def fail(message: str, code: int = 2) -> None:
 def main(argv: list[str] | None = None) -> None:
     _register()
     try:
-        app(args=argv, standalone_mode=False)
+        # without standalone mode, click returns a command's `typer.Exit(code)` instead of
+        # raising it: that code must still become the process's exit status
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except _EXITS as e:
         sys.exit(e.exit_code)
     except _ABORTS:

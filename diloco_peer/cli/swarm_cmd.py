@@ -79,6 +79,10 @@ def join(
     gpu_memory_fraction: float = typer.Option(
         1.0, help="CUDA: share of the GPU's memory this peer may use."
     ),
+    allowlist: Path | None = typer.Option(
+        None, help="Private swarm: the owner's signed allowlist (`diloco-peer allow`)."
+    ),
+    chaos: str | None = typer.Option(None, hidden=True, help="Test only: misbehave (trust.py)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -100,6 +104,7 @@ def join(
         max_hours=max_hours, metrics_port=metrics_port, metrics_host=metrics_host,
         tensorboard=str(tensorboard) if tensorboard else None,
         gpu_memory_fraction=gpu_memory_fraction,
+        allowlist=str(allowlist) if allowlist else None, chaos=chaos,
     )  # fmt: skip
     founding = None
     if not swarm:
@@ -424,19 +429,40 @@ def status(
     for h in heads.values():
         hashes_at.setdefault(h.version, set()).add(h.state_hash)
     forks = {str(v): sorted(s) for v, s in hashes_at.items() if len(s) > 1}
-    doc = {"run": run, "head_version": head, "peers": peers_doc, "forks": forks}
+    banned: dict[str, dict[str, Any]] = {}
+    for h in heads.values():
+        for peer, reason in (h.bans or {}).items():
+            entry = banned.setdefault(peer, {"by": [], "reasons": []})
+            entry["by"].append(h.peer_id)
+            if reason not in entry["reasons"]:
+                entry["reasons"].append(reason)
+    for p in peers_doc:
+        p["banned_by"] = len(banned.get(p["peer_id"], {}).get("by", []))
+    doc = {"run": run, "head_version": head, "peers": peers_doc, "forks": forks, "banned": banned}
     if json_out:
         sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
         return
     t = Table(title=f"run {run}: head version {head}")
-    for col in ("peer", "version", "state", "steps/s", "loss", "memory", "cpu", "seen"):
+    for col in (
+        "peer",
+        "version",
+        "state",
+        "steps/s",
+        "loss",
+        "memory",
+        "cpu",
+        "seen",
+        "banned by",
+    ):
         t.add_column(col)
     for p in peers_doc:
         t.add_row(p["peer_id"][-10:], str(p["version"]), p["state_hash"][:12], f"{p['speed']:.2f}",
                   f"{p['loss']:.3f}" if p["loss"] is not None else "-",
                   f"{p['rss_mb']:.0f} MB" if p["rss_mb"] is not None else "-",
                   f"{p['cpu_percent']:.0f}%" if p["cpu_percent"] is not None else "-",
-                  f"{p['last_seen_s']:.0f}s ago")  # fmt: skip
+                  f"{p['last_seen_s']:.0f}s ago", str(p["banned_by"] or "-"))  # fmt: skip
     _out.print(t)
+    for peer, entry in sorted(banned.items()):
+        _out.print(f"banned: {peer} by {len(entry['by'])} peer(s): {'; '.join(entry['reasons'])}")
     if forks:
         _out.print(f"forks: {forks}")

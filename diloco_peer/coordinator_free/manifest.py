@@ -26,8 +26,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
-from diloco_peer.config import RunSpec
-from diloco_peer.errors import ConfigError, ManifestError
+from diloco_peer.config import AGGREGATIONS, MAX_INT, RunSpec
+from diloco_peer.errors import BadInput, ConfigError, ManifestError
 from diloco_peer.identity import Identity, IdentityError, peer_id_from_public_key, verify
 
 tomllib: ModuleType | None
@@ -57,8 +57,17 @@ def check_run_name(name: object) -> str:
     return name
 
 
+def _is_finite(value: float) -> bool:
+    """math.isfinite, but False for an int beyond float range (JSON integers are unbounded, and
+    math.isfinite raises OverflowError on them)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _finite(name: str, value: float, minimum: float, strict: bool) -> None:
-    ok = math.isfinite(value) and (value > minimum if strict else value >= minimum)
+    ok = _is_finite(value) and (value > minimum if strict else value >= minimum)
     if not ok:
         raise ConfigError(
             f"{name} must be a finite number {'>' if strict else '>='} {minimum}, got {value}"
@@ -98,6 +107,16 @@ class SwarmSettings:
     keep_updates: int = 16
     """L: applied updates each peer keeps and serves, so a peer behind by at most L versions
     replays them instead of downloading the full state."""
+    aggregation: str = "mean"
+    """How each part reducer combines the members' δs: `mean`, or for open swarms the robust
+    `trimmed-mean` (coordinate-wise) or `centered-clip` (averaging/robust.py)."""
+    norm_factor: float = 4.0
+    """A contribution whose declared δ norm exceeds this x the group's median is excluded."""
+    min_cosine: float = 0.02
+    """In groups of 3+, a part whose cosine with the coordinate-wise median of the others' is
+    below this is excluded (sign-flipped or random δs); -1 disables the check."""
+    ban_rounds: int = 10
+    """A peer whose contribution was excluded is banned for this many versions."""
 
     def __post_init__(self) -> None:
         if self.protocol not in ("sync", "async"):
@@ -113,7 +132,14 @@ class SwarmSettings:
             raise ConfigError(f"staleness_limit must be >= 0, got {self.staleness_limit}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        for name in ("expected_peers", "eval_every", "keep_updates"):
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(
+                f"unknown aggregation {self.aggregation!r}; choose {', '.join(AGGREGATIONS)}"
+            )
+        _finite("norm_factor", self.norm_factor, 1, strict=True)
+        if not (_is_finite(self.min_cosine) and -1 <= self.min_cosine < 1):
+            raise ConfigError(f"min_cosine must be in [-1, 1), got {self.min_cosine}")
+        for name in ("expected_peers", "eval_every", "keep_updates", "ban_rounds"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         _finite("start_timeout_s", self.start_timeout_s, 0, strict=False)
@@ -140,6 +166,8 @@ class SwarmSettings:
                 or (isinstance(default, float) and isinstance(value, int))
             ):
                 raise ConfigError(f"swarm setting {name} has the wrong type")
+            if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+                raise ConfigError(f"swarm setting {name} is out of range")
         return cls(**data)
 
 
@@ -205,13 +233,21 @@ def _canonical_json(doc: Any) -> bytes:
     return text.encode("ascii")  # ensure_ascii (the default) escapes everything else
 
 
-def _b64decode(text: Any, what: str) -> bytes:
+def _b64decode(
+    text: Any, what: str, *, doc: str = "manifest", error: type[BadInput] = ManifestError
+) -> bytes:
+    """Strict base64 of a field `what` of a signed document `doc` (the allowlist shares it)."""
     if not isinstance(text, str):
-        raise ManifestError(f"manifest {what} must be a base64 string")
+        raise error(f"{doc} {what} must be a base64 string")
     try:
-        return base64.b64decode(text, validate=True)
+        decoded = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise ManifestError(f"manifest {what} is not valid base64") from None
+        raise error(f"{doc} {what} is not valid base64") from None
+    # One spelling per value: b64decode ignores the unused low bits of the last character
+    # ("QQ==" and "QR==" both decode to b"A"), which would let a changed byte still verify.
+    if base64.b64encode(decoded).decode("ascii") != text:
+        raise error(f"{doc} {what} is not canonical base64")
+    return decoded
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,7 +272,7 @@ class Manifest:
             raise ManifestError("manifest run and swarm must be RunSpec and SwarmSettings")
         if isinstance(self.created, bool) or not isinstance(self.created, (int, float)):
             raise ManifestError("manifest created must be a number")
-        if not (math.isfinite(self.created) and self.created >= 0):
+        if not (_is_finite(self.created) and self.created >= 0):
             raise ManifestError(f"manifest created must be a finite time, got {self.created}")
         try:
             peer_id_from_public_key(self.owner_public_key)

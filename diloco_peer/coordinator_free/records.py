@@ -24,15 +24,18 @@ import dataclasses
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.dht.validation import RecordValidatorBase
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
 
 from diloco_peer.coordinator_free.manifest import (
     MAX_MANIFEST_BYTES,
@@ -54,6 +57,9 @@ _OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 _PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{1,128}\Z"  # base58, no 0 O I l
 _HEX64_PATTERN = r"^[0-9a-f]{64}\Z"
 _MAX_VERSION = 2**63 - 1  # msgpack carries 64-bit integers
+MAX_BANS = 64
+"""Bans a head lists (the most recent); more would only make the record large."""
+MAX_BAN_REASON = 200
 
 
 # ------------------------------------------------------------------ schemas (checked by the DHT)
@@ -78,6 +84,13 @@ class HeadRecord(pydantic.BaseModel):
     eta: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
     shard: pydantic.conint(strict=True, ge=0, le=1 << 20) | None = None  # type: ignore[valid-type]
     planned_samples: pydantic.conint(strict=True, ge=0, le=1 << 40) | None = None  # type: ignore[valid-type]
+    bans: (
+        dict[
+            pydantic.constr(strict=True, regex=_PEER_ID_PATTERN),  # type: ignore[valid-type]
+            pydantic.constr(strict=True, max_length=MAX_BAN_REASON),  # type: ignore[valid-type]
+        ]
+        | None
+    ) = None
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -133,6 +146,8 @@ class PeerHead:
     """The shard the current phase trains on (with `eta`); the sampler counts it as in flight."""
     planned_samples: int | None = None
     """Samples the current phase will train."""
+    bans: dict[str, str] | None = None
+    """Peers this peer currently bans (DESIGN §4), with the reason; `status` shows them."""
 
     def __post_init__(self) -> None:
         # Accept ints for float fields (speed=0), as the wire schema will not.
@@ -152,6 +167,8 @@ class PeerHead:
                     object.__setattr__(self, name, float(value))
                 except OverflowError:
                     raise RecordError(f"invalid peer head: {name} is out of range") from None
+        if self.bans is not None and len(self.bans) > MAX_BANS:
+            raise RecordError(f"invalid peer head: more than {MAX_BANS} bans")
         try:
             HeadRecord.parse_obj(dataclasses.asdict(self))
         except pydantic.ValidationError as e:
@@ -208,16 +225,76 @@ def _subkey_peer_id(subkey: Any) -> str | None:
         return None
 
 
-def record_validators(identity: Identity, run: str) -> list[RecordValidatorBase]:
-    """Validators for `DHT(record_validators=...)`: sign as `identity`, check this run's schemas.
+class _QuietSignatureValidator(RSASignatureValidator):
+    """hivemind's signature validator, answering False where the original raises on hostile
+    bytes (`[owner:<garbage>]` raises ValueError): a refusal, not a logged traceback."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            return super().validate(record)
+        except Exception as e:  # any malformed record is simply not valid
+            logger.debug("refusing a malformed signed record: %r", e)
+            return False
+
+
+class _QuietSchemaValidator(SchemaValidator):
+    """hivemind's schema validator, answering False where the original raises on hostile bytes
+    (an unhashable msgpack subkey raises TypeError)."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            return super().validate(record)
+        except Exception as e:
+            logger.debug("refusing a malformed record: %r", e)
+            return False
+
+
+class AllowlistValidator(RecordValidatorBase):
+    """Private swarms: this node stores and accepts the run's heads only from the keys of the
+    allowlist (DESIGN §4). Manifest copies stay open: each is verified against the owner's
+    signature anyway, and a joiner must read the manifest to learn that its allowlist is not
+    the owner's. Other keys stay unaffected.
+
+    Module-level and made of plain data, because the DHT's forked process unpickles it.
+    """
+
+    def __init__(self, run: str, peer_ids: frozenset[str]) -> None:
+        self._guarded = {DHTID.generate(source=heads_key(run)).to_bytes()}
+        self._peer_ids = frozenset(peer_ids)
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self._guarded:
+            return True
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:  # any garbage: not a writer we know
+            return False
+        return _subkey_peer_id(subkey) in self._peer_ids
+
+    @property
+    def priority(self) -> int:
+        return 5  # after the signature validator has checked and stripped the signature
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
+
+
+def record_validators(
+    identity: Identity, run: str, allowed: frozenset[str] | None = None
+) -> list[RecordValidatorBase]:
+    """Validators for `DHT(record_validators=...)`: sign as `identity`, check this run's schemas
+    and, in a private swarm, that the writer is on the allowlist (`allowed` peer ids).
 
     Keys outside this run's schema stay allowed: other components keep their own DHT keys.
     """
     check_run_name(run)
-    return [
-        RSASignatureValidator(identity.hivemind_private_key()),
-        SchemaValidator(SwarmRecords, prefix=run, allow_extra_keys=True),
+    validators: list[RecordValidatorBase] = [
+        _QuietSignatureValidator(identity.hivemind_private_key()),
+        _QuietSchemaValidator(SwarmRecords, prefix=run, allow_extra_keys=True),
     ]
+    if allowed is not None:
+        validators.append(AllowlistValidator(run, allowed))
+    return validators
 
 
 def _check_seconds(name: str, value: float) -> None:
@@ -255,8 +332,11 @@ def publish_head(
     return bool(_wait(future, timeout_s, f"publishing the head of run {run}"))
 
 
-def read_heads(dht: DHT, run: str, *, timeout_s: float) -> dict[str, PeerHead]:
-    """Live peers' heads by peer id; entries not bound to their signer's key are dropped."""
+def read_heads(
+    dht: DHT, run: str, *, timeout_s: float, allow: Callable[[str], bool] | None = None
+) -> dict[str, PeerHead]:
+    """Live peers' heads by peer id; entries not bound to their signer's key are dropped, and
+    so are those of peers `allow` refuses (a private swarm's allowlist)."""
     found = _wait(
         dht.get(heads_key(run), latest=True, return_future=True),
         timeout_s,
@@ -274,6 +354,9 @@ def read_heads(dht: DHT, run: str, *, timeout_s: float) -> dict[str, PeerHead]:
             continue
         if signer is None or head.peer_id != signer:
             logger.debug("dropping a head of %s signed by %s", head.peer_id, signer)
+            continue
+        if allow is not None and not allow(signer):
+            logger.debug("dropping the head of %s: not on the allowlist", signer)
             continue
         # A key could sign several subkey spellings; its newest head wins.
         current = heads.get(head.peer_id)

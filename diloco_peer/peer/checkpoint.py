@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from diloco_peer.config import RunSpec
-from diloco_peer.errors import CheckpointError, ConfigError
+from diloco_peer.errors import CheckpointError
 
 FORMAT = "diloco-peer/model-v1"
 
@@ -38,7 +38,7 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
@@ -81,7 +81,9 @@ def safetensors_metadata(head: bytes, total_size: int, source: str) -> dict[str,
         raise CheckpointError(f"{source}: not a safetensors checkpoint (bad header size)")
     try:
         header = json.loads(head[8 : 8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    # ValueError: bad UTF-8 or JSON, or an integer literal past Python's digit limit;
+    # RecursionError: arrays nested past the parser's depth limit.
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(
             f"{source}: unreadable checkpoint header ({e.__class__.__name__})"
         ) from e
@@ -123,7 +125,7 @@ def load_model_checkpoint(path: str | Path) -> ModelCheckpoint:
         run_dict = json.loads(meta["run"])
         extra = json.loads(meta.get("extra", "{}"))
         run = RunSpec.from_dict(run_dict)
-    except (KeyError, TypeError, json.JSONDecodeError, ConfigError) as e:
+    except (KeyError, TypeError, ValueError, RecursionError) as e:  # ConfigError is a ValueError
         raise CheckpointError(f"{path}: malformed checkpoint metadata ({e})") from e
     try:
         tensors = load_file(path)

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 # Must equal swarm_peer.CHECKPOINT_FORMAT (a test checks); not imported from there because
 # swarm_peer pulls in hivemind, which an offline export has no use for.
-PEER_FORMAT = "diloco-peer/peer-checkpoint-v1"
+PEER_FORMAT = "diloco-peer/peer-checkpoint-v2"
 EXPORT_FORMAT = "diloco-peer/export-v1"
 FORMATS = ("safetensors", "hf")
 CONFIG_FILE = "config.json"
@@ -217,7 +217,8 @@ def _check_state_hash(state: dict[str, torch.Tensor], meta: dict[str, str], path
     try:
         state_json, expected = meta["state.state"], meta["state.state_hash"]
         version = int(json.loads(state_json)["version"])
-    except (KeyError, TypeError, ValueError) as e:
+    # OverflowError: int(Infinity) (json.loads reads it); RecursionError: deep nesting.
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
         raise CheckpointError(f"{path}: malformed peer checkpoint metadata ({e})") from None
     if state_digest(state_json, state) != expected:
         raise CheckpointError(f"{path}: global state does not match its hash; it is corrupted")

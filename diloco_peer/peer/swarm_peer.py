@@ -37,9 +37,11 @@ from diloco_peer.averaging.allreduce import AllReduceFailed
 from diloco_peer.averaging.group_averager import GroupAverager
 from diloco_peer.averaging.matchmaking import NoGroup
 from diloco_peer.averaging.outer import build_outer_optimizer
+from diloco_peer.averaging.robust import Aggregation
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import PeerSpec, RunSpec
 from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.coordinator_free.dylu import dylu_steps
 from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest, SwarmSettings
 from diloco_peer.coordinator_free.sampler import shard_probabilities
@@ -54,17 +56,23 @@ from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
 from diloco_peer.errors import BadInput, ConfigError, DilocoError
 from diloco_peer.identity import Identity
 from diloco_peer.p2p_service import P2PService
-from diloco_peer.peer.checkpoint import atomic_write, read_file_metadata, safetensors_metadata
+from diloco_peer.peer.checkpoint import (
+    atomic_write,
+    read_file_metadata,
+    safetensors_metadata,
+    tensors_digest,
+)
 from diloco_peer.peer.data import ShardStream, TokenDataset, build_dataset, iid_shards
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.inner import (
     InnerTrainer,
     Schedule,
-    auto_micro_batch,
     evaluate_loss,
     perplexity,
+    prepare_replica,
 )
 from diloco_peer.peer.model import build_model, resolve_device
+from diloco_peer.peer.trust import Chaos, Guard
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +81,8 @@ HEAD_TTL_S = 60.0
 """A head older than this is a peer that left; heartbeats refresh it every HEAD_TTL_S / 4."""
 DHT_TIMEOUT_S = 10.0
 STATE_TIMEOUT_S = 120.0
-CHECKPOINT_FORMAT = "diloco-peer/peer-checkpoint-v1"
+CHECKPOINT_FORMAT = "diloco-peer/peer-checkpoint-v2"
+"""v2 added the sha256 of everything in the file (v1 files are refused with a clear error)."""
 
 
 class StopRequested(Exception):
@@ -155,6 +164,7 @@ class SwarmPeer:
         self._paused = threading.Event()
         self._t_start = time.time()
         self._tmp = tempfile.TemporaryDirectory(prefix="diloco-peer-")
+        self.chaos = Chaos.parse(spec.chaos) if spec.chaos else None
         self.identity = self._load_identity()
         self.peer_id = self.identity.peer_id_str
         self.events = EventLog(spec.log_json, self.peer_id)
@@ -178,6 +188,8 @@ class SwarmPeer:
         # Peers a group formed without, with the time: not waited for again until they publish
         # a newer head, so a dead peer costs at most one timed-out round (DESIGN §3).
         self._absent: dict[str, float] = {}
+        self._allowed: Any = lambda peer: True  # a private swarm replaces it in start()
+        self._departed_version = -1  # the highest version a peer announced as it left
         self.rounds_done = 0
         self.contributions = 0
         self.dropped = 0
@@ -224,6 +236,8 @@ class SwarmPeer:
         key_path.write_bytes(self.identity.to_bytes())
         key_path.chmod(0o600)
         run_name = self.spec.run_name
+        self.allowlist = self._load_allowlist()
+        allowed = None if self.allowlist is None else self.allowlist.peer_ids
         try:
             self.dht = DHT(
                 start=True,
@@ -231,7 +245,7 @@ class SwarmPeer:
                 host_maddrs=[f"/ip4/{self.spec.host}/tcp/{self.spec.port}"],
                 announce_maddrs=list(self.spec.announce) or None,
                 initial_peers=list(self.spec.swarm),
-                record_validators=records.record_validators(self.identity, run_name),
+                record_validators=records.record_validators(self.identity, run_name, allowed),
                 startup_timeout=30,
             )
         except Exception as e:  # hivemind reports bad addresses and busy ports this way
@@ -249,6 +263,7 @@ class SwarmPeer:
         else:
             self.signed = records.fetch_manifest(self.dht, run_name, timeout_s=DHT_TIMEOUT_S)
         self.manifest = self.signed.manifest
+        self._allowed = self._check_allowlist()
         self.run = self.manifest.run
         self.swarm = self.manifest.swarm
         self._build_training()
@@ -258,14 +273,24 @@ class SwarmPeer:
         self.service.start()
         self.service.wait_until_ready(timeout_s=30)
         prefix = "dp_" + hashlib.sha256(run_name.encode()).hexdigest()[:16]
+        self.guard = Guard(
+            self.identity, run_name, self.swarm, allow=self._allowed, chaos=self.chaos
+        )
         self.averager = GroupAverager(
             self.service, prefix, compression=self.run.compression,
-            prune_fraction=self.run.prune_fraction, on_group=_fault_injection_hook(),
+            prune_fraction=self.run.prune_fraction,
+            aggregation=Aggregation(method=self.swarm.aggregation, min_cosine=(
+                None if self.swarm.min_cosine <= -1 else self.swarm.min_cosine)),
+            on_group=_fault_injection_hook(), tamper=self.guard.tamper,
         )  # fmt: skip
         self.averager.start()
         self.averager.wait_until_ready(timeout_s=30)
         self.server = StateServer(
-            self.service, prefix, lambda: self._blob, updates=self.updates.get
+            self.service,
+            prefix,
+            lambda: self._blob,
+            updates=self.updates.get,
+            allow=self._allowed,
         )
         self.server.start()
         self._resume()
@@ -281,6 +306,27 @@ class SwarmPeer:
             manifest=self.signed.digest, ppl=self.eval_ppl(),
         )  # fmt: skip
 
+    def _load_allowlist(self) -> Allowlist | None:
+        """`--allowlist`, checked for this run and this peer (its owner is checked against the
+        manifest's once that is known)."""
+        if not self.spec.allowlist:
+            return None
+        allowlist = Allowlist.load(self.spec.allowlist, run=self.spec.run_name)
+        if not allowlist.allows(self.peer_id):
+            raise BadInput(f"this peer's key ({self.peer_id}) is not on the allowlist")
+        return allowlist
+
+    def _check_allowlist(self) -> Any:
+        """The allowlist's membership test (everyone is allowed without one)."""
+        if self.allowlist is None:
+            return lambda peer: True
+        if self.allowlist.owner_peer_id != self.signed.owner_peer_id:
+            raise BadInput(
+                f"--allowlist is signed by {self.allowlist.owner_peer_id}, not by the run owner "
+                f"{self.signed.owner_peer_id}"
+            )
+        return self.allowlist.allows
+
     def _build_training(self) -> None:
         run = self.run
         if self.spec.threads:
@@ -290,24 +336,15 @@ class SwarmPeer:
             source, run.tokenizer, run.seq_len, run.val_sequences, run.max_tokens, run.seed
         )
         self.device = resolve_device(self.spec.device)
-        if self.device.type == "cuda" and self.spec.gpu_memory_fraction < 1.0:
-            torch.cuda.set_per_process_memory_fraction(self.spec.gpu_memory_fraction, self.device)
-        elif self.spec.gpu_memory_fraction < 1.0:
-            log.warning("--gpu-memory-fraction applies to CUDA devices only; ignored on %s",
-                        self.device)  # fmt: skip
         init = build_model(run.model, self.data.vocab_size, run.seed, max_seq_len=run.seq_len)
         self.model = build_model(run.model, self.data.vocab_size, run.seed, run.seq_len)
-        self.model.to(self.device)
-        micro = self.spec.micro_batch_size
-        if micro == -1:  # auto: the largest micro-batch the device holds
-            micro = run.batch_size
-            if self.device.type == "cuda":
-                adam = 2 * sum(p.numel() * p.element_size() for p in self.model.parameters())
-                micro = auto_micro_batch(
-                    self.model, run.batch_size, run.seq_len, self.data.vocab_size, self.device,
-                    reserve_bytes=adam,
-                )  # fmt: skip
-            log.info("[%s] micro-batch %d of %d", self.peer_id[-6:], micro, run.batch_size)
+        micro = prepare_replica(
+            self.model, run, self.device, self.data.vocab_size,
+            micro_batch_size=self.spec.micro_batch_size,
+            gpu_memory_fraction=self.spec.gpu_memory_fraction,
+        )  # fmt: skip
+        log.info("[%s] micro-batch %d of %d on %s", self.peer_id[-6:], micro, run.batch_size,
+                 self.device)  # fmt: skip
         self.trainer = InnerTrainer(self.model, run, self.device, micro_batch_size=micro or None)
         num_shards = run.num_shards or DEFAULT_SHARDS
         if self.spec.shard >= num_shards:
@@ -357,13 +394,17 @@ class SwarmPeer:
         its own δ and forks the state); a departing peer's head (updated = 0) removes it."""
         dht = self._net()[0]
         try:
-            heads = records.read_heads(dht, self.spec.run_name, timeout_s=DHT_TIMEOUT_S)
+            heads = records.read_heads(
+                dht, self.spec.run_name, timeout_s=DHT_TIMEOUT_S, allow=self._allowed
+            )
         except records.SwarmTimeout as e:
             log.warning("[%s round=%d] %s", self.peer_id[-6:], self.state.version, e)
             heads = {}
         if self.rounds_done < _TEST_ALONE_ROUNDS:
             heads = {}  # test hook: this peer does not see the others yet (to make a fork)
         for peer, head in heads.items():
+            if head.updated == 0.0 and peer != self.peer_id:  # a peer that left, at its version
+                self._departed_version = max(self._departed_version, head.version)
             known = self._seen.get(peer)
             if known is None or head.updated == 0.0 or head.updated >= known.updated:
                 self._seen[peer] = head
@@ -587,6 +628,7 @@ class SwarmPeer:
                 {"base_version": pending.base_version, "steps": pending.steps,
                  "shards": {str(k): v for k, v in pending.shard_samples.items()}}
             )  # fmt: skip
+        meta["sha256"] = _checkpoint_digest(tensors, meta)
         atomic_write(path, lambda tmp: Path(tmp).write_bytes(st_save(tensors, metadata=meta)))
 
     def _resume(self) -> None:
@@ -613,8 +655,18 @@ class SwarmPeer:
             data = path.read_bytes()
             meta = safetensors_metadata(data, len(data), str(path))
             tensors = st_load(data)
+            if meta.get("format") == "diloco-peer/peer-checkpoint-v1":
+                raise CheckpointError(
+                    f"{path}: a peer checkpoint of an older diloco-peer (no checksum); move it "
+                    "away to start this peer afresh"
+                )
             if meta.get("format") != CHECKPOINT_FORMAT:
                 raise CheckpointError(f"{path}: not a diloco-peer peer checkpoint")
+            if meta.get("sha256") != _checkpoint_digest(tensors, meta):
+                raise CheckpointError(
+                    f"{path}: corrupted peer checkpoint (its sha256 does not match; the file is "
+                    "left as it is)"
+                )
             if meta.get("manifest") != self.signed.digest:
                 raise CheckpointError(f"{path}: checkpoint belongs to another run manifest")
             state_meta = {
@@ -683,6 +735,7 @@ class SwarmPeer:
             eta=self._eta,
             shard=self._phase_shard if self._eta is not None else None,
             planned_samples=self._phase_samples if self._eta is not None else None,
+            bans=self._bans_for_head(),
             **self._resources(),
         )
         try:
@@ -692,6 +745,14 @@ class SwarmPeer:
             )  # fmt: skip
         except records.SwarmTimeout as e:
             log.warning("[%s round=%d] %s", self.peer_id[-6:], self.state.version, e)
+
+    def _bans_for_head(self) -> dict[str, str] | None:
+        guard = getattr(self, "guard", None)
+        if guard is None:
+            return None
+        active = guard.bans.active(self.state.version)
+        recent = sorted(active.items(), key=lambda kv: kv[1].since_version)[-records.MAX_BANS :]
+        return {p: b.reason[: records.MAX_BAN_REASON] for p, b in recent} or None
 
     def _open_tensorboard(self) -> None:
         if not self.spec.tensorboard:
@@ -775,6 +836,10 @@ class SwarmPeer:
                    self.trainer.speed.steps_per_s),
             Metric("diloco_peer_paused", "gauge", "1 while paused (SIGUSR1).",
                    1.0 if self._paused.is_set() else 0.0),
+            Metric("diloco_peer_bans", "gauge", "Peers this peer currently bans.",
+                   len(self.guard.bans.active(self.state.version))),
+            Metric("diloco_peer_bans_total", "counter",
+                   "Bans issued (contributions excluded) since start.", self.guard.bans.total),
         ]  # fmt: skip
 
     def _resources(self) -> dict[str, float | None]:
@@ -1000,12 +1065,13 @@ class SwarmPeer:
             if not others:
                 return self._commit(mine, [self.peer_id], None, loss, t0)
         target = min(self.swarm.group_size, len(others) + 1)
-        header = json.dumps(
-            {"peer": self.peer_id, "base_version": mine.base_version, "version": self.state.version,
-             "steps": mine.steps, "samples": sum(mine.shard_samples.values()),
-             "shards": {str(k): v for k, v in mine.shard_samples.items()}},
-            sort_keys=True,
-        ).encode()  # fmt: skip
+        # Keyed by version and state: peers on two branches of a fork never average together
+        # (each would apply the average to another base).
+        key = f"v{self.state.version}_{self._blob_hash()[:16]}"
+        offer = self.guard.offer(
+            mine.delta, key=key, version=self.state.version, state_hash=self._blob_hash(),
+            base_version=mine.base_version, steps=mine.steps, shard_samples=mine.shard_samples,
+        )  # fmt: skip
         weight = (
             float(sum(mine.shard_samples.values())) if self.swarm.weighting == "samples" else 1.0
         )
@@ -1013,15 +1079,14 @@ class SwarmPeer:
         waited = time.time()
         try:
             result = averager.average(
-                # Keyed by version and state: peers on two branches of a fork never average
-                # together (each would apply the average to another base).
-                f"v{self.state.version}_{self._blob_hash()[:16]}", mine.delta, weight=weight,
-                gather=header,
+                key, offer.delta, weight=weight, gather=offer.gather,
                 target_size=max(2, target),
                 matchmaking_timeout_s=self.swarm.grace_s if asynchronous else self.swarm.sync_timeout_s,
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
+                admit=self.guard.admit(offer.round),
             )  # fmt: skip
         except NoGroup:
+            self._log_exclusions(loss)
             self.wait_s += time.time() - waited
             if not asynchronous:
                 # Not a reason to mark anyone absent: they may simply have been late. Only a
@@ -1038,22 +1103,24 @@ class SwarmPeer:
                 return "retry"
             return self._commit(mine, [self.peer_id], None, loss, t0)
         except AllReduceFailed as e:
+            self._log_exclusions(loss)
             self.wait_s += time.time() - waited
             return self._keep(mine, f"all-reduce failed: {e}", t0)
         self.wait_s += time.time() - waited
         if not asynchronous:
             self._mark_absent(heads, present=result.members)
-        group_shards: dict[int, int] = {}
-        stalenesses: dict[str, int] = {}
-        for member, blob in result.gathered.items():
-            try:
-                doc = json.loads(blob)
-                for k, v in doc["shards"].items():
-                    group_shards[int(k)] = group_shards.get(int(k), 0) + int(v)
-                stalenesses[member[-8:]] = self.state.version - int(doc["base_version"])
-            except (ValueError, KeyError, TypeError, AttributeError):
-                log.warning("ignoring a malformed contribution header")
-        return self._commit(mine, result.members, result, loss, t0, group_shards, stalenesses)
+        self.guard.settle(result, self.state.version)
+        self._log_exclusions(loss)
+        group_shards = self.guard.group_shards(result)
+        stalenesses = self.guard.staleness(result, self.state.version)
+        return self._commit(mine, result.contributors, result, loss, t0, group_shards, stalenesses)
+
+    def _log_exclusions(self, loss: float) -> None:
+        for peer, reason in self.guard.drain_exclusions():
+            self.events.emit(
+                "excluded", version=self.state.version, state_hash=self._blob_hash(),
+                group_size=0, loss=loss, excluded_peer=peer, reason=reason,
+            )  # fmt: skip
 
     def _expected_soon(self, heads: dict[str, records.PeerHead]) -> list[str]:
         """Async: the peers worth waiting for: in a group search at our state, or training a
@@ -1160,6 +1227,9 @@ class SwarmPeer:
             self._stop.is_set()
             or bool(spec.max_rounds and self.rounds_done >= spec.max_rounds)
             or bool(spec.until_version and self.state.version >= spec.until_version)
+            # the others reached the run's end and left while this peer trained: applying its
+            # δ alone now would only make a state nobody else holds
+            or bool(spec.until_version and self._departed_version >= spec.until_version)
             or bool(spec.until_steps and self.applied_steps() >= spec.until_steps)
             or bool(spec.max_hours and time.time() - self._t_start >= spec.max_hours * 3600)
         )
@@ -1233,6 +1303,8 @@ class SwarmPeer:
                     ppl=self.eval_ppl(), compute_s=self.compute_s, wait_s=self.wait_s,
                     dropped=self.dropped, shard_samples=self.state.shard_samples,
                     applied_steps=self.applied_steps(),
+                    finite=all(bool(torch.isfinite(t).all()) for t in self.state.theta),
+                    bans=self._bans_for_head() or {}, bans_total=self.guard.bans.total,
                     data_share=[len(x) / len(self.data.train) for x in self.shards],
                     active_s=time.time() - self._t_first_train if self._started_training else 0.0,
                 )  # fmt: skip
@@ -1256,6 +1328,15 @@ class SwarmPeer:
 _TEST_ALONE_ROUNDS = int(os.environ.get("DILOCO_PEER_ALONE_ROUNDS", "0") or 0)
 """Test-only: a peer ignores the others' heads for its first N rounds, so two such peers apply
 their own δ alone at the same version and fork the state (the fork-healing test)."""
+
+
+def _checkpoint_digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """sha256 over every tensor (names, dtypes, shapes, bytes) and every metadata entry but
+    itself: a flipped byte anywhere in a peer checkpoint is detected on load."""
+    h = hashlib.sha256(tensors_digest(tensors).encode())
+    rest = {k: v for k, v in meta.items() if k != "sha256"}
+    h.update(json.dumps(rest, sort_keys=True).encode())
+    return h.hexdigest()
 
 
 def _fault_injection_hook() -> Any:

@@ -1,0 +1,370 @@
+"""Signed contribution headers, the group screening they allow, and bans (DESIGN.md §4).
+
+Every member of a group gathers one `ContributionHeader` at matchmaking: who it is (its public
+key, so anyone can check the signature and that the key hashes to the member's libp2p peer id),
+which round the δ is for (round key, version, state hash, base version), what it claims (steps,
+samples per shard, number of values, a digest of the tensor shapes, the δ's L2 norm and sha256)
+and the peers it currently bans. Hivemind's leader hands every member the same gathered bytes,
+so `screen_group` — a pure function of those bytes, the round and this build's settings — makes
+the same decision on every honest member, and they all-reduce over the same accepted members.
+The one input that is local is replay memory (`NonceMemory`): a member that has seen a header's
+nonce before refuses it even where the round fields alone would not (async staleness window).
+Members that disagree on it get different group digests, so that round fails rather than forks,
+and the replayer is banned by the members that saw it.
+
+What the header cannot prove is checked where the values are: each part reducer checks the
+member's part against the declared norm (a part cannot be longer than the whole δ), its
+finiteness and, in groups of three or more, its direction (averaging/robust.py). A peer excluded
+for any reason is banned for `ban_rounds` versions; bans travel in headers, and a member banned
+by more than half of the other valid members of a group is excluded by all of them.
+
+Not defended (docs/security.md): lies about steps or samples within plausible bounds, a δ that is
+harmful yet within the norm and direction bounds, and a peer that joins groups and then stays
+silent (each such round fails after its timeout and the δs are re-contributed).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import math
+import os
+import re
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from diloco_peer.errors import DilocoError, IdentityError
+from diloco_peer.identity import Identity, peer_id_from_public_key, verify
+
+FORMAT = "diloco-peer/contribution-v1"
+_SIGNING_CONTEXT = FORMAT.encode() + b"\n"
+MAX_HEADER_BYTES = 16 * 1024
+MAX_BANS_IN_HEADER = 64
+_MAX_SHARDS = 4096
+_MAX_INT = 2**63 - 1
+_PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{1,128}\Z")
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
+_HEX32 = re.compile(r"^[0-9a-f]{32}\Z")
+_KEY = re.compile(r"^[A-Za-z0-9_]{1,64}\Z")
+_FIELDS = {
+    "format", "run", "peer", "public_key", "key", "version", "state_hash", "base_version",
+    "steps", "samples", "shards", "numel", "shapes", "norm", "digest", "nonce", "bans", "time",
+}  # fmt: skip
+
+
+class ContributionRejected(DilocoError):
+    """A member's contribution header is malformed, unsigned, forged or not for this round."""
+
+
+def shapes_digest(shapes: Iterable[Sequence[int]]) -> str:
+    """sha256 (hex) of the tensor shapes, in order: equal iff the δs have the same layout."""
+    return hashlib.sha256(json.dumps([list(s) for s in shapes]).encode()).hexdigest()
+
+
+def delta_digest(tensors: Sequence[Tensor]) -> tuple[float, str]:
+    """(L2 norm, sha256 hex of the fp32 bytes, in order) of a δ, as its header declares them."""
+    h = hashlib.sha256()
+    squares = 0.0
+    for t in tensors:
+        flat = t.detach().to("cpu", torch.float32).contiguous().view(-1)
+        squares += float(flat.double().square().sum())
+        h.update(flat.numpy().tobytes())
+    return math.sqrt(squares), h.hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContributionHeader:
+    """What a member claims about its δ for one round; `sign` turns it into gathered bytes."""
+
+    run: str
+    peer: str
+    public_key: bytes
+    key: str
+    """The round key the δ is offered to (`v{version}_{hash16}`)."""
+    version: int
+    """The version the group's average is applied to."""
+    state_hash: str
+    base_version: int
+    """The version the δ was trained from; version - base_version is its staleness."""
+    steps: int
+    samples: int
+    shards: dict[int, int]
+    numel: int
+    shapes: str
+    """`shapes_digest` of the δ's tensors."""
+    norm: float
+    digest: str
+    nonce: str
+    bans: tuple[str, ...] = ()
+    time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "run": self.run, "peer": self.peer,
+            "public_key": base64.b64encode(self.public_key).decode("ascii"), "key": self.key,
+            "version": self.version, "state_hash": self.state_hash,
+            "base_version": self.base_version, "steps": self.steps, "samples": self.samples,
+            "shards": {str(k): v for k, v in sorted(self.shards.items())}, "numel": self.numel,
+            "shapes": self.shapes, "norm": self.norm, "digest": self.digest,
+            "nonce": self.nonce, "bans": list(self.bans), "time": self.time,
+        }  # fmt: skip
+
+    def canonical_bytes(self) -> bytes:
+        try:
+            text = json.dumps(
+                self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False
+            )
+        except ValueError:
+            raise ContributionRejected("header values must be finite numbers") from None
+        return text.encode("ascii")
+
+    def sign(self, identity: Identity) -> bytes:
+        """The gathered bytes: canonical header and the peer's signature of it."""
+        canonical = self.canonical_bytes()
+        signature = identity.sign(_SIGNING_CONTEXT + canonical)
+        envelope = {
+            "header": canonical.decode("ascii"),
+            "signature": base64.b64encode(signature).decode("ascii"),
+        }
+        return json.dumps(envelope, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+    @classmethod
+    def verify_bytes(cls, data: bytes, member: str) -> ContributionHeader:
+        """Parse and verify a member's gathered bytes; ContributionRejected on anything wrong.
+
+        The signature must verify with the header's public key, and that key must hash to
+        `member`, the peer id libp2p authenticated at matchmaking: nobody signs for another.
+        """
+        if not isinstance(data, bytes) or len(data) > MAX_HEADER_BYTES:
+            raise ContributionRejected("header missing or too large")
+        try:
+            envelope = json.loads(data, parse_constant=_no_constant)
+            if not isinstance(envelope, dict) or set(envelope) != {"header", "signature"}:
+                raise ContributionRejected("not a signed contribution header")
+            canonical, signature = envelope["header"], envelope["signature"]
+            if not isinstance(canonical, str) or not isinstance(signature, str):
+                raise ContributionRejected("not a signed contribution header")
+            canonical_bytes = canonical.encode("ascii")
+            doc = json.loads(canonical_bytes, parse_constant=_no_constant)
+            signature_bytes = base64.b64decode(signature, validate=True)
+        except (ValueError, UnicodeError, binascii.Error, RecursionError):
+            raise ContributionRejected("header is not valid JSON or base64") from None
+        header = cls._from_dict(doc)
+        if header.canonical_bytes() != canonical_bytes:
+            raise ContributionRejected("header is not in canonical form")
+        if header.peer != member:
+            raise ContributionRejected(f"header names peer {header.peer[-8:]}, not the sender")
+        try:
+            key_owner = peer_id_from_public_key(header.public_key)
+        except IdentityError:
+            raise ContributionRejected("header public key is not a valid key") from None
+        if key_owner != member:
+            raise ContributionRejected("header public key does not belong to the sender")
+        if not verify(header.public_key, _SIGNING_CONTEXT + canonical_bytes, signature_bytes):
+            raise ContributionRejected("header signature does not verify (forged or altered)")
+        return header
+
+    @classmethod
+    def _from_dict(cls, doc: Any) -> ContributionHeader:
+        if not isinstance(doc, dict) or set(doc) != _FIELDS or doc["format"] != FORMAT:
+            raise ContributionRejected("header fields or format differ from this build's")
+        ints = ("version", "base_version", "steps", "samples", "numel")
+        for name in ints:
+            if not _is_int(doc[name]) or not 0 <= doc[name] <= _MAX_INT:
+                raise ContributionRejected(f"header {name} must be a non-negative integer")
+        for name in ("norm", "time"):
+            value = doc[name]
+            if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+                raise ContributionRejected(f"header {name} must be a finite number")
+        if doc["norm"] < 0:
+            raise ContributionRejected("header norm must be >= 0")
+        texts = {"run": _KEY, "peer": _PEER_ID, "key": _KEY, "state_hash": _HEX64,
+                 "shapes": _HEX64, "digest": _HEX64, "nonce": _HEX32}  # fmt: skip
+        for name, pattern in texts.items():
+            if not isinstance(doc[name], str) or not pattern.fullmatch(doc[name]):
+                raise ContributionRejected(f"header {name} is malformed")
+        shards = doc["shards"]
+        if not isinstance(shards, dict) or len(shards) > _MAX_SHARDS:
+            raise ContributionRejected("header shards must be an object of shard counts")
+        parsed: dict[int, int] = {}
+        for k, v in shards.items():
+            if not k.isdigit() or len(k) > 9 or not _is_int(v) or not 0 <= v <= _MAX_INT:
+                raise ContributionRejected("header shards must map shard numbers to counts")
+            parsed[int(k)] = v
+        bans = doc["bans"]
+        if not isinstance(bans, list) or len(bans) > MAX_BANS_IN_HEADER:
+            raise ContributionRejected("header bans must be a short list of peer ids")
+        if not all(isinstance(b, str) and _PEER_ID.fullmatch(b) for b in bans):
+            raise ContributionRejected("header bans must be peer ids")
+        if not isinstance(doc["public_key"], str):
+            raise ContributionRejected("header public_key must be base64")
+        try:
+            public_key = base64.b64decode(doc["public_key"], validate=True)
+        except (binascii.Error, ValueError):
+            raise ContributionRejected("header public_key must be base64") from None
+        return cls(
+            run=doc["run"], peer=doc["peer"], public_key=public_key, key=doc["key"],
+            version=doc["version"], state_hash=doc["state_hash"],
+            base_version=doc["base_version"], steps=doc["steps"], samples=doc["samples"],
+            shards=parsed, numel=doc["numel"], shapes=doc["shapes"], norm=float(doc["norm"]),
+            digest=doc["digest"], nonce=doc["nonce"], bans=tuple(bans), time=float(doc["time"]),
+        )  # fmt: skip
+
+
+def new_nonce() -> str:
+    return os.urandom(16).hex()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Round:
+    """What every member of a group knows about the round, independent of the gathered bytes."""
+
+    run: str
+    key: str
+    version: int
+    state_hash: str
+    numel: int
+    shapes: str
+    staleness_limit: int
+    norm_factor: float
+    """A declared norm above norm_factor x the group's median norm is excluded (3+ members)."""
+
+
+@dataclass(frozen=True)
+class Screening:
+    """The outcome of `screen_group`: accepted headers and excluded members, by peer id."""
+
+    accepted: dict[str, ContributionHeader]
+    excluded: dict[str, str]
+
+
+def screen_group(
+    gathered: dict[str, bytes],
+    rnd: Round,
+    *,
+    allow: Callable[[str], bool] = lambda peer: True,
+    seen: Callable[[str, str], bool] = lambda peer, nonce: False,
+) -> Screening:
+    """Decide which members' δs may enter the round; the same on every honest member.
+
+    `gathered` maps each member (authenticated peer id) to its gathered bytes; `allow` is the
+    private swarm's allowlist; `seen(peer, nonce)` is this member's replay memory. The checks, in
+    order: signed header of that member, for this run and round, with a plausible base version
+    and this δ layout; on the allowlist; nonce not replayed; not banned by more than half of the
+    other valid members; declared norm within norm_factor x the median of the group's.
+    """
+    accepted: dict[str, ContributionHeader] = {}
+    excluded: dict[str, str] = {}
+    nonces: set[str] = set()
+    for member in sorted(gathered):
+        try:
+            header = ContributionHeader.verify_bytes(gathered[member], member)
+            reason = _round_mismatch(header, rnd)
+        except ContributionRejected as e:
+            reason = str(e)
+        else:
+            if reason is None and not allow(member):
+                reason = "not on the swarm's allowlist"
+            elif reason is None and (header.nonce in nonces or seen(member, header.nonce)):
+                reason = "replayed header (nonce seen before)"
+        if reason is None:
+            accepted[member] = header
+            nonces.add(header.nonce)
+        else:
+            excluded[member] = reason
+    # bans: votes only from members that passed the checks above, never from oneself
+    for member in list(accepted):
+        voters = [h for p, h in accepted.items() if p != member]
+        votes = sum(member in h.bans for h in voters)
+        if voters and votes * 2 > len(voters):
+            excluded[member] = f"banned by {votes} of {len(voters)} members"
+    for member in excluded:
+        accepted.pop(member, None)
+    if len(accepted) >= 3:
+        median = statistics.median(h.norm for h in accepted.values())
+        for member, header in list(accepted.items()):
+            if header.norm > rnd.norm_factor * median:
+                excluded[member] = (
+                    f"norm {header.norm:.4g} above {rnd.norm_factor:g} x median {median:.4g}"
+                )
+                del accepted[member]
+    return Screening(accepted, excluded)
+
+
+def _round_mismatch(header: ContributionHeader, rnd: Round) -> str | None:
+    if header.run != rnd.run or header.key != rnd.key or header.version != rnd.version:
+        return f"header for another round ({header.key}, v{header.version})"
+    if header.state_hash != rnd.state_hash:
+        return "header for another state"
+    if header.base_version > rnd.version:
+        return f"base version {header.base_version} ahead of the round's {rnd.version}"
+    if rnd.version - header.base_version > rnd.staleness_limit:
+        return f"stale: base version {header.base_version}, limit {rnd.staleness_limit}"
+    if header.numel != rnd.numel or header.shapes != rnd.shapes:
+        return f"wrong shape ({header.numel} values)"
+    return None
+
+
+class NonceMemory:
+    """The nonces of the headers this peer has screened, most recent `capacity` (replays)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._capacity = capacity
+
+    def seen(self, peer: str, nonce: str) -> bool:
+        return (peer, nonce) in self._seen
+
+    def remember(self, headers: dict[str, ContributionHeader]) -> None:
+        for peer, header in headers.items():
+            self._seen[(peer, header.nonce)] = None
+        while len(self._seen) > self._capacity:
+            self._seen.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Ban:
+    reason: str
+    since_version: int
+    until_version: int
+
+
+class BanList:
+    """Peers this peer excludes, each until a version; what its headers and `status` show."""
+
+    def __init__(self, ban_rounds: int) -> None:
+        self.ban_rounds = ban_rounds
+        self._bans: dict[str, Ban] = {}
+        self.total = 0
+        """Bans issued since start (a re-ban of a banned peer counts again)."""
+
+    def ban(self, peer: str, reason: str, version: int) -> None:
+        self._bans[peer] = Ban(reason, version, version + self.ban_rounds)
+        self.total += 1
+
+    def active(self, version: int) -> dict[str, Ban]:
+        """Bans still in force at `version`, newest last (expired ones are forgotten)."""
+        self._bans = {p: b for p, b in self._bans.items() if b.until_version > version}
+        return dict(self._bans)
+
+    def for_header(self, version: int) -> tuple[str, ...]:
+        """The most recent bans, as many as a header carries, sorted."""
+        recent = sorted(self.active(version).items(), key=lambda kv: kv[1].since_version)
+        return tuple(sorted(p for p, _ in recent[-MAX_BANS_IN_HEADER:]))
