@@ -7,6 +7,11 @@ shared by a GroupAverager and four StateServers ("full" serves a ~40 MB safetens
 update log of 3 real outer steps, "empty" has no state yet and no update log, "private" refuses
 everyone, "junk" serves a malformed update). The requester is this pytest process: a DHT, one
 P2PService. The donor is SIGKILLed (process group) in `finally`, whatever the outcome.
+
+The multi-donor tests (`swarm` fixture) run four donors A, B, C, D in this process instead, each
+its own DHT (a forked process with its own p2p daemon) and P2PService, so that a test can change
+what a donor serves, count its requests, emulate a donor of before ranged requests, or make one
+leave mid-download. Every node is shut down in `finally`.
 """
 
 from __future__ import annotations
@@ -21,26 +26,30 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from hivemind.dht import DHT
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from safetensors.torch import save
 
 from diloco_peer.averaging.group_averager import GroupAverager
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
+from diloco_peer.coordinator_free import state_transfer as st
 from diloco_peer.coordinator_free.state_transfer import (
     CHUNK_BYTES,
     StateBlob,
     StateServer,
     StateTransferFailed,
+    download_range,
     download_state,
+    download_state_multi,
     download_update,
 )
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
@@ -487,6 +496,390 @@ def test_missing_refused_or_oversized_update_fails_cleanly(pair: Pair) -> None:
     )
 
 
+# --------------------------------------------------------------------------- several donors
+
+MULTI_NUMEL = 4_000_000  # fp32: 16 MB
+MULTI_VERSION = 5
+RANGE = 256 << 10
+"""Ranges of the multi-donor tests: 64 of them, so that every donor gets several."""
+STALL_S = 5.0
+
+
+class PreRangeServer(StateServer):
+    """A donor of a build before ranged requests: it reads at most 13 request bytes and refuses
+    a longer request without reading it, as those builds did. The requester sees either the
+    refusal ("bad request") or, when the unread bytes reset the stream first, a broken stream."""
+
+    _max_request_bytes = 13
+    _max_discard_bytes = 0
+
+
+@dataclass
+class Node:
+    """One in-process peer: its DHT (and p2p daemon), service and state servers."""
+
+    dht: DHT
+    service: P2PService
+    servers: list[StateServer] = field(default_factory=list)
+
+    def close(self) -> None:
+        for server in reversed(self.servers):
+            server.shutdown()
+        self.service.shutdown()
+        self.dht.shutdown()
+
+
+@dataclass
+class Swarm:
+    requester: P2PService
+    nodes: dict[str, Node]
+    truth: StateBlob
+    calls: Counter[tuple[str, str]]
+    """(run, node) -> requests its `provide` answered (ranged ones: one per range)."""
+
+    def ids(self, *names: str) -> list[str]:
+        return [self.nodes[name].service.peer_id for name in names]
+
+    def count(self, run: str, *names: str) -> list[int]:
+        return [self.calls[(run, name)] for name in names]
+
+
+def moved_on(truth: StateBlob, after: int) -> Callable[[], StateBlob]:
+    """Serves `truth` `after` times, then the next version (another hash)."""
+    served = [0]
+    later = make_blob(truth.version + 1, 1000, seed=9)
+
+    def provide() -> StateBlob:
+        served[0] += 1
+        return truth if served[0] <= after else later
+
+    return provide
+
+
+def leaves_at(truth: StateBlob, call: int, node: list[Node]) -> Callable[[], StateBlob]:
+    """Serves `truth`, but at its `call`-th request the node leaves: its DHT process and p2p
+    daemon shut down while that request waits (the stream breaks under the requester)."""
+    served = [0]
+
+    def provide() -> StateBlob:
+        served[0] += 1
+        if served[0] == call:
+            gone = threading.Thread(target=node[0].dht.shutdown, daemon=True)
+            gone.start()
+            gone.join(timeout=10.0)
+        return truth
+
+    return provide
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[Swarm]:
+    truth = make_blob(MULTI_VERSION, MULTI_NUMEL, seed=4)
+    data = bytearray(truth.data)
+    for offset in range(100, len(data), 4096):  # same length, version and claimed hash
+        data[offset] ^= 0xFF
+    corrupt = StateBlob(version=truth.version, state_hash=truth.state_hash, data=bytes(data))
+    calls: Counter[tuple[str, str]] = Counter()
+    names = ("A", "B", "C", "D")
+    dhts: list[DHT] = []
+    nodes: dict[str, Node] = {}
+    requester: Node | None = None
+    d_node: list[Node] = []  # for leaves_at, filled below
+    serving: dict[str, list[tuple[str, Callable[[], StateBlob], type[StateServer], int]]] = {
+        #     run        provide                    server class     max_uploads
+        "A": [
+            ("multi", lambda: truth, StateServer, 4),
+            ("moving", lambda: truth, StateServer, 4),
+            ("hostile", lambda: truth, StateServer, 4),
+            ("leaving", lambda: truth, StateServer, 4),
+            ("mixed", lambda: truth, StateServer, 4),
+            ("oldonly", lambda: truth, PreRangeServer, 4),
+            ("tight", lambda: truth, StateServer, 1),
+        ],
+        "B": [
+            ("multi", lambda: truth, StateServer, 4),
+            ("moving", moved_on(truth, after=2), StateServer, 4),
+            ("hostile", lambda: truth, StateServer, 4),
+            ("leaving", lambda: truth, StateServer, 4),
+            ("mixed", lambda: truth, PreRangeServer, 4),
+            ("oldonly", lambda: truth, PreRangeServer, 4),
+            ("tight", lambda: truth, StateServer, 4),
+        ],
+        "C": [
+            ("multi", lambda: truth, StateServer, 4),
+            ("hostile", lambda: corrupt, StateServer, 4),
+        ],
+        "D": [("leaving", leaves_at(truth, call=3, node=d_node), StateServer, 4)],
+    }
+    try:
+        for _ in names:  # every DHT (a fork) before any service thread starts
+            dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        maddrs = [str(m) for dht in dhts for m in dht.get_visible_maddrs()]
+        dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs))
+        for name, dht in zip((*names, "requester"), dhts, strict=True):
+            node = Node(dht, P2PService(dht))
+            if name == "requester":
+                requester = node
+            else:
+                nodes[name] = node
+            node.service.start()
+            node.service.wait_until_ready(timeout_s=30)
+        dhts.clear()  # the nodes own them now
+        d_node.append(nodes["D"])
+        for name, runs in serving.items():
+            for run, provide, server_class, max_uploads in runs:
+
+                def counted(
+                    run: str = run, name: str = name, provide: Callable[[], StateBlob] = provide
+                ) -> StateBlob:
+                    calls[(run, name)] += 1
+                    return provide()
+
+                server = server_class(nodes[name].service, run, counted, max_uploads=max_uploads)
+                nodes[name].servers.append(server)
+                server.start()
+        assert requester is not None
+        yield Swarm(requester.service, nodes, truth, calls)
+    finally:
+        for node in (*nodes.values(), *([requester] if requester else [])):
+            node.close()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(90)  # the first test also starts the swarm fixture
+def test_ranged_requests_give_exact_bytes_of_the_named_state_only(swarm: Swarm) -> None:
+    truth, (a,) = swarm.truth, swarm.ids("A")
+    size = len(truth.data)
+    for offset, length, expected in (
+        (0, 1000, truth.data[:1000]),
+        (123_456, 2 * CHUNK_BYTES + 7, truth.data[123_456 : 123_456 + 2 * CHUNK_BYTES + 7]),
+        (size - 10, 1000, truth.data[-10:]),  # cut short at the end
+        (size, 5, b""),
+    ):
+        got = download_range(
+            swarm.requester, "multi", a, truth.state_hash, offset, length, timeout_s=10.0
+        )
+        assert got.data == expected
+        assert (got.version, got.total_bytes, got.offset) == (MULTI_VERSION, size, offset)
+    for state_hash, offset, reason in (
+        ("0" * 64, 0, "state moved on"),
+        (truth.state_hash, size + 1, "bad range"),
+        (truth.state_hash, 2**64 - 1, "bad range"),
+    ):
+        started = time.perf_counter()
+        with pytest.raises(StateTransferFailed, match=reason):
+            download_range(swarm.requester, "multi", a, state_hash, offset, 10, timeout_s=10.0)
+        assert time.perf_counter() - started < 10.0
+    # a donor of before ranged requests refuses one (or breaks the stream), but serves the
+    # whole state
+    with pytest.raises(StateTransferFailed, match="bad request|stream broken"):
+        download_range(swarm.requester, "oldonly", a, truth.state_hash, 0, 10, timeout_s=10.0)
+    assert download_state(swarm.requester, "oldonly", a, timeout_s=10.0).data == truth.data
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(30)
+def test_malformed_ranged_requests_are_refused(swarm: Swarm) -> None:
+    """Raw requests a hostile requester could send: each gets an ER answer, none breaks the
+    donor, which serves a good request afterwards."""
+    a = PeerID.from_base58(swarm.ids("A")[0])
+    hashed = swarm.truth.state_hash.encode()
+
+    def ranged(length: int, hash_len: int, tail: bytes, magic: bytes = b"DLRG") -> bytes:
+        return st._RANGE_REQUEST.pack(magic, 1, 0, length, hash_len) + tail
+
+    async def ask(request: bytes) -> bytes:
+        _, reader, writer = await swarm.requester.p2p.call_binary_stream_handler(a, "multi_state")
+        try:
+            await P2P.send_raw_data(request, writer)
+            return await st._read_frame(reader, 4096)
+        finally:
+            writer.close()
+
+    for request, reason in (
+        (ranged(0, len(hashed), hashed), b"empty range"),
+        (ranged(10, len(hashed) + 1, hashed), b"hash length"),
+        (ranged(10, 0, b""), b"hash length"),
+        (ranged(10, 2, b"\xff\xfe"), b"not utf-8"),
+        (ranged(10, len(hashed), hashed, magic=b"XXXX"), b"unknown request"),
+        (ranged(10, 300, b"h" * 300), b"bad request"),  # longer than any request
+    ):
+        answer = swarm.requester.run(ask(request), timeout_s=10.0)
+        assert answer.startswith(b"ER") and reason in answer, (request[:30], answer)
+    got = download_range(
+        swarm.requester, "multi", str(a), swarm.truth.state_hash, 5, 5, timeout_s=10.0
+    )
+    assert got.data == swarm.truth.data[5:10]
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(30)
+def test_three_donors_share_the_download(swarm: Swarm) -> None:
+    before = swarm.count("multi", "A", "B", "C")
+    seen: list[tuple[int, int]] = []
+    started = time.perf_counter()
+    blob = download_state_multi(
+        swarm.requester,
+        "multi",
+        swarm.ids("A", "B", "C"),
+        swarm.truth.state_hash,
+        timeout_s=20.0,
+        range_bytes=RANGE,
+        on_progress=lambda received, total: seen.append((received, total)),
+    )
+    elapsed_s = time.perf_counter() - started
+    assert blob.data == swarm.truth.data
+    assert (blob.version, blob.state_hash) == (MULTI_VERSION, swarm.truth.state_hash)
+    served = [n - m for n, m in zip(swarm.count("multi", "A", "B", "C"), before, strict=True)]
+    first = min(RANGE, st._FIRST_RANGE_BYTES)  # then RANGE each
+    ranges = 1 + -(-(len(swarm.truth.data) - first) // RANGE)
+    assert all(n >= 1 for n in served), served
+    assert ranges <= sum(served) <= ranges + 6  # the end game may fetch a few ranges twice
+    assert len(seen) == ranges and seen[-1] == (len(blob.data), len(blob.data))
+    assert [r for r, _ in seen] == sorted(r for r, _ in seen)
+    logger.info("3 donors: %d ranges per donor %s in %.2f s", ranges, served, elapsed_s)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(30)
+def test_donor_that_moves_on_is_dropped_and_its_ranges_redone(swarm: Swarm) -> None:
+    """B serves the state twice (the first range, one more), then its next version: its later
+    ranges are refused as "state moved on", so A fetches them; nothing of B's new state mixes in."""
+    blob = download_state_multi(
+        swarm.requester,
+        "moving",
+        swarm.ids("B", "A"),
+        swarm.truth.state_hash,
+        timeout_s=20.0,
+        range_bytes=RANGE,
+    )
+    assert blob.data == swarm.truth.data
+    b, a = swarm.count("moving", "B", "A")
+    assert b >= 3 and a >= 1, (b, a)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(40)
+def test_donor_leaving_mid_download_costs_only_its_ranges(
+    swarm: Swarm, caplog: pytest.LogCaptureFixture
+) -> None:
+    """D's p2p daemon shuts down while D answers its third request (so after it served at least
+    one range): its streams break, D is dropped, its ranges in flight go back to the queue and
+    A and B finish the download."""
+    caplog.set_level(logging.INFO, logger=st.__name__)
+    started = time.perf_counter()
+    blob = download_state_multi(
+        swarm.requester,
+        "leaving",
+        swarm.ids("A", "D", "B"),
+        swarm.truth.state_hash,
+        timeout_s=25.0,
+        range_bytes=RANGE,
+        stall_timeout_s=STALL_S,
+    )
+    assert blob.data == swarm.truth.data
+    assert swarm.count("leaving", "D")[0] >= 3  # requests already in its buffers may follow
+    assert f"dropped donor {swarm.ids('D')[0][-6:]}" in caplog.text  # it did leave mid-download
+    assert all(n >= 1 for n in swarm.count("leaving", "A", "B"))
+    assert time.perf_counter() - started < 20.0
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(30)
+def test_hostile_donor_spoils_the_blob_and_the_caller_check_catches_it(swarm: Swarm) -> None:
+    """C sends wrong bytes under the right version, length and hash: this layer cannot tell
+    (the state hash is over the loaded tensors), the caller's hash check does, and the caller
+    then downloads from single donors (what SwarmPeer.catch_up does)."""
+    before = swarm.count("hostile", "C")[0]
+    blob = download_state_multi(
+        swarm.requester,
+        "hostile",
+        swarm.ids("A", "B", "C"),
+        swarm.truth.state_hash,
+        timeout_s=20.0,
+        range_bytes=RANGE,
+    )
+    assert swarm.count("hostile", "C")[0] > before  # C did serve ranges
+    assert blob.state_hash == swarm.truth.state_hash  # the claim...
+    assert len(blob.data) == len(swarm.truth.data)
+    assert hashlib.sha256(blob.data).hexdigest() != swarm.truth.state_hash  # ...fails the check
+    single = download_state(swarm.requester, "hostile", swarm.ids("A")[0], timeout_s=10.0)
+    assert hashlib.sha256(single.data).hexdigest() == swarm.truth.state_hash
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(40)
+def test_donors_of_before_ranges_and_busy_donors(swarm: Swarm) -> None:
+    truth = swarm.truth
+    # B predates ranged requests: dropped, A serves every range
+    blob = download_state_multi(
+        swarm.requester, "mixed", swarm.ids("B", "A"), truth.state_hash, timeout_s=20.0,
+        range_bytes=RANGE,
+    )  # fmt: skip
+    assert blob.data == truth.data
+    assert swarm.count("mixed", "B") == [0]  # refused before provide(): a bad request
+    # no donor speaks ranges: one whole download from one of them
+    before = sum(swarm.count("oldonly", "A", "B"))
+    received: list[int] = []
+    blob = download_state_multi(
+        swarm.requester, "oldonly", swarm.ids("A", "B"), truth.state_hash, timeout_s=20.0,
+        range_bytes=RANGE, on_progress=lambda done, total: received.append(done),
+    )  # fmt: skip
+    assert blob.data == truth.data and received[-1] == len(truth.data)
+    assert sum(swarm.count("oldonly", "A", "B")) == before + 1
+    # A serves one download at a time: its second stream is refused as busy, and retried
+    blob = download_state_multi(
+        swarm.requester, "tight", swarm.ids("A", "B"), truth.state_hash, timeout_s=20.0,
+        range_bytes=RANGE,
+    )  # fmt: skip
+    assert blob.data == truth.data
+    assert all(n >= 1 for n in swarm.count("tight", "A", "B"))
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(40)
+def test_multi_download_without_usable_donors_fails_cleanly(swarm: Swarm) -> None:
+    nobody = PeerID(b"\x12\x20" + os.urandom(32)).to_base58()
+    me = swarm.requester.peer_id
+    started = time.perf_counter()
+    with pytest.raises(StateTransferFailed, match="no donor served the first range") as failure:
+        download_state_multi(
+            swarm.requester, "multi", [me, "junk!", nobody], swarm.truth.state_hash,
+            timeout_s=20.0, stall_timeout_s=3.0,
+        )  # fmt: skip
+    assert time.perf_counter() - started < 3.0 + SLACK_S
+    assert "myself" in str(failure.value) and "malformed peer id" in str(failure.value)
+    # a head hash no donor serves: every donor refuses ("state moved on")
+    with pytest.raises(StateTransferFailed, match="state moved on"):
+        download_state_multi(
+            swarm.requester, "multi", swarm.ids("A", "B"), "0" * 64, timeout_s=10.0
+        )
+    with pytest.raises(StateTransferFailed, match="exceeds max_bytes"):
+        download_state_multi(
+            swarm.requester, "multi", swarm.ids("A"), swarm.truth.state_hash, timeout_s=10.0,
+            max_bytes=1000,
+        )  # fmt: skip
+    # an overall timeout hit while ranges arrive (~1000 small ones: the transfer takes far
+    # longer): it must end then (asyncio.wait_for would let the cancellation slip past and run
+    # on, see state_transfer.py)
+    for timeout_s in (0.05, 0.1, 0.15):
+        started = time.perf_counter()
+        with pytest.raises(StateTransferFailed, match="timed out"):
+            download_state_multi(
+                swarm.requester, "multi", swarm.ids("A", "B"), swarm.truth.state_hash,
+                timeout_s=timeout_s, range_bytes=16 << 10,
+            )  # fmt: skip
+        assert time.perf_counter() - started < timeout_s + 1.0
+    # and the donors are free again for the next download (no upload slot held by those)
+    blob = download_state_multi(
+        swarm.requester, "multi", swarm.ids("A", "B"), swarm.truth.state_hash, timeout_s=10.0,
+        range_bytes=RANGE,
+    )  # fmt: skip
+    assert blob.data == swarm.truth.data
+
+
 # --------------------------------------------------------------------------- unit tests
 
 
@@ -522,6 +915,20 @@ def test_bad_arguments_are_value_errors() -> None:
     for version in (-1, True, 1.0, 2**63 - 1):
         with pytest.raises(ValueError):
             download_update(service, "ok", "x", version, timeout_s=1.0)  # type: ignore[arg-type]
+    for state_hash, offset, length in (("", 0, 1), ("h" * 257, 0, 1), ("h", -1, 1), ("h", 0, 0)):
+        with pytest.raises(ValueError):
+            download_range(service, "ok", "x", state_hash, offset, length, timeout_s=1.0)
+    for kwargs in (
+        {"range_bytes": 0},
+        {"streams_per_donor": 0},
+        {"streams_per_donor": 9},
+        {"stall_timeout_s": 0.0},
+        {"stall_timeout_s": float("nan")},
+    ):
+        with pytest.raises(ValueError):
+            download_state_multi(service, "ok", ["x"], "h", timeout_s=1.0, **kwargs)
+    with pytest.raises(ValueError):
+        download_state_multi(service, "ok", "x", "h", timeout_s=1.0)  # a str is not a list
     with pytest.raises(ValueError):
         StateServer(service, "ok", lambda: None, updates=b"not callable")  # type: ignore[arg-type]
     with pytest.raises(ValueError):

@@ -463,8 +463,10 @@ def test_metrics_endpoint_answers_while_training(swarm: Swarm) -> None:
     values = {x.split("{")[0]: float(x.rsplit(" ", 1)[1]) for x in lines}
     assert values["diloco_peer_version"] >= 2 and values["diloco_peer_rounds_total"] >= 2
     for name in ("diloco_peer_loss", "diloco_peer_ppl", "diloco_peer_idle_fraction",
-                 "diloco_peer_bytes_sent_total", "diloco_peer_group_size"):  # fmt: skip
+                 "diloco_peer_bytes_sent_total", "diloco_peer_group_size", "diloco_peer_bans",
+                 "diloco_peer_bans_total"):  # fmt: skip
         assert name in values, name
+    assert values["diloco_peer_bans"] == 0  # nobody to ban here (tests/test_trust_swarm.py)
     assert "# TYPE diloco_peer_rounds_total counter" in text
     assert a.wait(timeout=120) == 0
 

@@ -50,6 +50,7 @@ from diloco_peer.coordinator_free.state_transfer import (
     StateServer,
     StateTransferFailed,
     download_state,
+    download_state_multi,
     download_update,
 )
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
@@ -459,18 +460,29 @@ class SwarmPeer:
                     lost_fork = True
                     break
         if not how:
-            for donor in donors:
+            # From all donors at once in ranges first; from one donor at a time if that fails or
+            # gives another hash (a hostile donor's ranges spoil a multi-donor download).
+            sources = ([donors] if len(donors) > 1 else []) + [[donor] for donor in donors]
+            for source in sources:
+                donor = ",".join(source)  # the event's donor: one peer id, or several
+                label = donor[-6:] if len(source) == 1 else f"{len(source)} donors"
                 try:
-                    blob = download_state(
-                        self._net()[1], self._net()[3].run, donor, timeout_s=STATE_TIMEOUT_S
-                    )
+                    if len(source) > 1:
+                        blob = download_state_multi(
+                            self._net()[1], self._net()[3].run, source, want,
+                            timeout_s=STATE_TIMEOUT_S,
+                        )  # fmt: skip
+                    else:
+                        blob = download_state(
+                            self._net()[1], self._net()[3].run, donor, timeout_s=STATE_TIMEOUT_S
+                        )
                     self._load_blob(blob.data)
                 except (StateTransferFailed, ConfigError) as e:
-                    log.warning("[%s] state from %s rejected: %s", self._tag(), donor[-6:], e)
+                    log.warning("[%s] state from %s rejected: %s", self._tag(), label, e)
                     self._restore_blob()
                     continue
                 if self.state.hash() != want:
-                    log.warning("[%s] state from %s has another hash", self._tag(), donor[-6:])
+                    log.warning("[%s] state from %s has another hash", self._tag(), label)
                     self._restore_blob()
                     continue
                 how, nbytes, donor_used = "download", len(blob.data), donor
