@@ -1031,7 +1031,8 @@ class _MultiDownload:
 
     def span(self, index: int) -> tuple[int, int]:
         """Range `index` as (offset, length): 0 is the first range, then `range_bytes` each."""
-        assert self.expect is not None and index >= 1
+        if self.expect is None or index < 1:
+            raise RuntimeError(f"range {index} asked before the first answer or out of order")
         offset = self.first + (index - 1) * self.range_bytes
         return offset, min(self.range_bytes, self.expect[1] - offset)
 
@@ -1050,7 +1051,8 @@ class _MultiDownload:
     async def run(self, p2p: P2P, streams_per_donor: int) -> tuple[int, bytes]:
         """The download: the first range, then all donors' workers; (version, data)."""
         await self._first_range(p2p)
-        assert self.expect is not None
+        if self.expect is None:  # _first_range returns only once it knows the blob
+            raise StateTransferFailed(f"no donor described the state ({self.describe()})")
         workers = [
             asyncio.create_task(self._work(p2p, donor))
             for donor in list(self.peers)
@@ -1186,7 +1188,7 @@ class _MultiDownload:
                     self.progress.add(len(data))
                 self._notify()
                 continue
-            assert reason is not None
+            reason = reason or "no answer"  # _range gives data or a reason, never neither
             if index not in self.done and index not in self.fetching:
                 self.todo.appendleft(index)  # first in line for the next free stream
             self._notify()

@@ -167,10 +167,12 @@ class Guard:
         return flat
 
     def _misbehave(self, delta: Sequence[Tensor]) -> list[Tensor]:
-        assert self.chaos is not None
-        if self.chaos.mode == "scale":
-            return [t * self.chaos.factor for t in delta]
-        if self.chaos.mode == "signflip":
+        chaos = self.chaos
+        if chaos is None:
+            return list(delta)
+        if chaos.mode == "scale":
+            return [t * chaos.factor for t in delta]
+        if chaos.mode == "signflip":
             return [-t for t in delta]
         norm = math.sqrt(sum(float(t.double().square().sum()) for t in delta))
         noise = [torch.randn_like(t) for t in delta]
