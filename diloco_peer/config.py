@@ -255,10 +255,16 @@ class PeerSpec:
     are admitted to groups, have their DHT records accepted and may download the state."""
     chaos: str | None = None
     """Test only: misbehave as MODE (peer/trust.py), so tests run a hostile peer for real."""
+    client_mode: bool = False
+    """This machine cannot be dialed (a NAT or firewall refuses inbound connections): dial out
+    only. The peer trains and contributes to groups, but leads none, reduces no part and serves
+    no state, and its DHT node stores nothing for others (hivemind's client mode)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if self.client_mode and self.announce:
+            raise ConfigError("--client-mode: nobody dials this peer, so --announce has no use")
         if self.micro_batch_size < -1:
             raise ConfigError(f"--batch-size must be 'auto' or >= 0, got {self.micro_batch_size}")
         for name in ("max_rounds", "until_version", "until_steps", "threads"):

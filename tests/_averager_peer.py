@@ -15,6 +15,9 @@ every peer imports torch and hivemind meanwhile); the answer is {"op": "ready", 
            or {"op": "average", "ok": false, "error": "NoGroup"|"AllReduceFailed", ...}
     {"op": "quit"}
 
+A join command with "client": true makes this peer's "client" averager a client-mode one (it
+reduces no part; the peer's DHT stays a server, so the other averagers are unaffected).
+
 The contribution is `scale * randn(shape)` from a generator seeded with `seed`, so the test can
 recompute every member's input. `die_after_group` SIGKILLs this peer's whole process group
 (itself, its DHT process, its p2p daemon) right after it has joined a group.
@@ -138,6 +141,7 @@ def main() -> None:
         averagers["int8_prune50"] = GroupAverager(
             service, "t8p", compression="int8", prune_fraction=0.5
         )
+        averagers["client"] = GroupAverager(service, "tcm", client_mode=bool(join.get("client")))
         for averager in averagers.values():
             averager.start()
         for averager in averagers.values():

@@ -117,7 +117,7 @@ def test_reachability_verdicts_and_fixes() -> None:
 
     silent = reachability_check({"validated": {PEER: True}, "dial_wait_s": 20.0, **local}, 0)
     assert silent.status == "WARN" and "within 20 s" in silent.detail
-    assert "--port P" in silent.fix and "client-only/relayed" in silent.fix
+    assert "--port P" in silent.fix and "--client-mode" in silent.fix
 
     ok = {"validated": {PEER: True}, "dialed_back_s": 3.14}
     passed = reachability_check({**ok, **local}, 0)

@@ -613,11 +613,14 @@ def test_compression_decode_of_arbitrary_bytes(codec: Any, numel: int, data: st.
 @FUZZ
 @given(
     st.binary(max_size=64)
-    | st.tuples(st.floats(), st.binary(max_size=32)).map(lambda wg: pack_gather(*wg))
-    | st.binary(min_size=13, max_size=13).map(lambda b: struct.pack("<4sB", b"DLCG", 1) + b[:8])
+    | st.tuples(st.floats(), st.binary(max_size=32), st.booleans()).map(
+        lambda wgc: pack_gather(wgc[0], wgc[1], client=wgc[2])
+    )
+    | st.binary(min_size=14, max_size=14).map(lambda b: struct.pack("<4sB", b"DLCG", 2) + b[:9])
 )
 def test_unpack_gather_of_arbitrary_bytes(data: bytes) -> None:
     result = outcome(lambda: unpack_gather(data), AllReduceFailed)
     if result is not None:
-        weight, _ = result
+        weight, client, _ = result
         assert math.isfinite(weight) and weight > 0
+        assert isinstance(client, bool)

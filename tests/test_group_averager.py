@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,7 +70,10 @@ AVERAGERS: dict[str, tuple[Compression, float]] = {
     "int8": ("int8", 0.0),
     "int4": ("int4", 0.0),
     "int8_prune50": ("int8", 0.5),
+    "client": ("none", 0.0),  # fp32; peer 2 of the trio is in client mode (reduces no part)
 }
+CLIENTS = (2,)
+"""The trio's peers whose "client" averager is in client mode."""
 
 
 # --------------------------------------------------------------------------- the peer processes
@@ -118,7 +121,7 @@ class Peer:
             ) from None
 
     def join(self, initial_peers: list[str]) -> None:
-        self.send({"op": "join", "initial_peers": initial_peers})
+        self.send({"op": "join", "initial_peers": initial_peers, "client": self.index in CLIENTS})
 
     def wait_ready(self) -> None:
         ready = self.receive(READY_TIMEOUT_S)
@@ -250,13 +253,20 @@ def average_bound(
 
 
 def check_traffic(
-    peers: list[Peer], answers: list[dict[str, Any]], compression: Compression
+    peers: list[Peer],
+    answers: list[dict[str, Any]],
+    compression: Compression,
+    clients: Sequence[str] = (),
 ) -> None:
     """Each member's measured bytes: near the butterfly's 2·b·n·(k−1)/k each way, exactly the
-    frames (8-byte length prefix + payload) the protocol sends, and every byte sent was read."""
+    frames (8-byte length prefix + payload) the protocol sends, and every byte sent was read.
+    With `clients` (members that reduce nothing), the k parts are the r reducers' and exact
+    counts are checked for those frames instead."""
     k = len(peers)
     ideal = 2 * encoded_size(NUMEL, compression) * (k - 1) / k
-    sizes = part_sizes(NUMEL, k)
+    members = sorted(p.peer_id for p in peers)
+    reducers = [m for m in members if m not in clients]
+    sizes = part_sizes(NUMEL, len(reducers))
 
     def part(size: int) -> int:  # sender -> reducer: header frame, then the part's frame
         return 8 + _PART_HEADER.size + 8 + encoded_size(size, compression)
@@ -264,12 +274,16 @@ def check_traffic(
     def answer(size: int) -> int:  # reducer -> sender: b"OK" + no exclusions + the average
         return 8 + 2 + NO_EXCLUSIONS + encoded_size(size, compression)
 
-    members = sorted(p.peer_id for p in peers)
     for peer, result in zip(peers, answers, strict=True):
-        mine = members.index(peer.peer_id)  # the part this member reduces
+        if peer.peer_id in clients:  # sends every part away, reads every average back
+            assert result["bytes_sent"] == sum(map(part, sizes))
+            assert result["bytes_received"] == sum(map(answer, sizes))
+            continue
+        mine = reducers.index(peer.peer_id)  # the part this member reduces
         others = [size for j, size in enumerate(sizes) if j != mine]
-        for field in ("bytes_sent", "bytes_received"):
-            assert 0.9 * ideal <= result[field] <= 1.3 * ideal, (peer.index, field, result, ideal)
+        if not clients:
+            for field in ("bytes_sent", "bytes_received"):
+                assert 0.9 * ideal <= result[field] <= 1.3 * ideal, (peer.index, field, result)
         assert result["bytes_sent"] == sum(map(part, others)) + (k - 1) * answer(sizes[mine])
         assert result["bytes_received"] == sum(map(answer, others)) + (k - 1) * part(sizes[mine])
         assert result["matchmaking_s"] > 0 and result["allreduce_s"] > 0, result
@@ -285,6 +299,7 @@ def check_round(
     weights: list[float],
     tolerance: float,
     averager: str = "fp32",
+    clients: Sequence[str] = (),
 ) -> None:
     """Every member succeeded with the same bits, within `tolerance` of the true weighted mean
     and within the rounding bound of the averager's codec, bit-identical to the simulator's
@@ -313,10 +328,13 @@ def check_round(
     by_member = {p.peer_id: (s, w) for p, s, w in zip(peers, seeds, weights, strict=True)}
     ordered = [by_member[m] for m in sorted(by_member)]
     in_memory = all_reduce_in_memory(
-        [sent(s, prune_fraction) for s, _ in ordered], [w for _, w in ordered], compression
+        [sent(s, prune_fraction) for s, _ in ordered],
+        [w for _, w in ordered],
+        compression,
+        num_parts=len(ordered) - len(clients),
     )
     assert torch.equal(flat, in_memory), f"{averager}: the network and in-memory bits differ"
-    check_traffic(peers, answers, compression)
+    check_traffic(peers, answers, compression, clients)
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +355,20 @@ def test_three_peers_uneven_weights_two_consecutive_rounds(trio: list[Peer]) -> 
     ):
         commands = [average_command(key, s, w) for s, w in zip(seeds, weights, strict=True)]
         check_round(trio, run_round(trio, commands), seeds, weights, tolerance=1e-6)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(60)
+def test_a_client_mode_member_contributes_but_reduces_nothing(trio: list[Peer]) -> None:
+    """Peer 2 cannot be dialed (client mode): it joins the group another peer leads, its δ is
+    in the average, the other two reduce half the vector each, and it only opens streams."""
+    seeds, weights = [51, 52, 53], [1.0, 2.0, 1.5]
+    commands = [
+        average_command("vc", s, w, averager="client") for s, w in zip(seeds, weights, strict=True)
+    ]
+    answers = run_round(trio, commands)
+    clients = [trio[i].peer_id for i in CLIENTS]
+    check_round(trio, answers, seeds, weights, tolerance=1e-6, averager="client", clients=clients)
 
 
 @pytest.mark.multipeer
@@ -609,7 +641,7 @@ def _group_info(peers: list[PeerID], envelopes: list[bytes]) -> GroupInfo:
 @pytest.mark.timeout(10)
 def test_validate_group_sorts_and_rejects_bad_leaders() -> None:
     a, b, c = (PeerID(bytes([i]) * 34) for i in (3, 1, 2))
-    envs = [pack_gather(w, f"g{w}".encode()) for w in (1.0, 2.0, 3.0)]
+    envs = [pack_gather(w, f"g{w}".encode(), client=w == 2.0) for w in (1.0, 2.0, 3.0)]
     group = validate_group("v0", _group_info([a, b, c], envs), a.to_base58(), envs[0])
     by_id = {
         p.to_base58(): (w, e) for p, w, e in zip((a, b, c), (1.0, 2.0, 3.0), envs, strict=True)
@@ -617,6 +649,7 @@ def test_validate_group_sorts_and_rejects_bad_leaders() -> None:
     assert list(group.members) == sorted(by_id)
     assert list(group.weights) == [by_id[m][0] for m in group.members]
     assert group.gathered[group.members.index(a.to_base58())] == b"g1.0"
+    assert list(group.clients) == [m == b.to_base58() for m in group.members]  # b: weight 2.0
     # the digest binds the member list and every envelope
     assert group.digest == group_digest(
         "v0", b"gid", group.members, tuple(by_id[m][1] for m in group.members)
@@ -628,6 +661,10 @@ def test_validate_group_sorts_and_rejects_bad_leaders() -> None:
         (_group_info([a, b, c], envs), pack_gather(9.0, b"g1.0")),  # my envelope altered
         (_group_info([a, b, c], [envs[0], b"junk", envs[2]]), envs[0]),  # malformed envelope
         (_group_info([a, b, c], [envs[0], pack_gather(-1.0, b""), envs[2]]), envs[0]),
+        (
+            _group_info([a, b, c], [envs[0], envs[1][:13] + b"\x04" + envs[1][14:], envs[2]]),
+            envs[0],
+        ),  # flag
     ]
     for info, mine in bad:
         with pytest.raises(AllReduceFailed):

@@ -170,6 +170,14 @@ def test_bad_join_input_is_one_line_and_exit_2(tmp_path: Path, swarm: Swarm) -> 
         ["--swarm", "not-a-multiaddr"],
         ["--swarm", "/ip4/127.0.0.1/tcp/9/p2p/QmXjYsP9S8HxT5ZhGBXgoT2xpCs8cgaR4cvxcYXEqqv3Md"],
         ["--checkpoint-dir", str(tmp_path / "file" / "sub")],
+        ["--client-mode"],  # founding: the founder must accept connections
+        [
+            "--client-mode",
+            "--announce",
+            "/ip4/127.0.0.1/tcp/4000",
+            "--swarm",
+            "/ip4/127.0.0.1/tcp/9/p2p/QmXjYsP9S8HxT5ZhGBXgoT2xpCs8cgaR4cvxcYXEqqv3Md",
+        ],
     ]
     (tmp_path / "file").write_text("a file where a folder should be")
     with socket.socket() as busy:

@@ -4,8 +4,10 @@ Why not hivemind's `AllReduceRunner` (DESIGN.md §1): there each member adds a r
 own tensor, so members end with different bits, and a part whose reducer fails is silently left
 un-averaged. Here each part has exactly one reducer, which
 
-1. receives that part of every member's flat fp32 vector (members sorted by base58 peer id,
-   the vector cut into len(members) near-equal contiguous parts, member i reduces part i),
+1. receives that part of every member's flat fp32 vector (members sorted by base58 peer id;
+   the reducers are the members that accept connections, in the same order: the vector is cut
+   into len(reducers) near-equal contiguous parts, reducer j reduces part j; a member in client
+   mode, which nobody can dial, only sends its parts and reads the averages),
 2. screens them and combines the rest in sorted member order (robust.py: `answer_part`),
 3. serializes the average and the list of excluded members ONCE and returns those same bytes
    to every member, itself included,
@@ -131,17 +133,19 @@ def all_reduce_in_memory(
     compression: Compression,
     aggregation: Aggregation = Aggregation(),
     bounds: Sequence[float | None] | None = None,
+    num_parts: int | None = None,
 ) -> Tensor:
     """What `PartExchange.all_reduce` returns on every member, computed in one process.
 
-    `contributions` are the members' flat fp32 vectors in sorted member order. Each is cut into
-    parts as the network round cuts it, each part encoded and decoded (the sender's bytes), the
+    `contributions` are the members' flat fp32 vectors in sorted member order; `num_parts` the
+    number of reducers (default: every member). Each is cut into parts as the network round
+    cuts it, each part encoded and decoded (the sender's bytes), the
     parts screened and aggregated and the answer packed by `answer_part` (the reducer's bytes),
     then unpacked as a member checks it: the same calls in the same order, so the same bits. Raises AllReduceFailed where a round would fail (a non-finite average, every member
     excluded from a part).
     """
     average, _ = all_reduce_in_memory_detailed(
-        contributions, weights, compression, aggregation, bounds
+        contributions, weights, compression, aggregation, bounds, num_parts
     )
     return average
 
@@ -152,6 +156,7 @@ def all_reduce_in_memory_detailed(
     compression: Compression,
     aggregation: Aggregation = Aggregation(),
     bounds: Sequence[float | None] | None = None,
+    num_parts: int | None = None,
 ) -> tuple[Tensor, dict[int, str]]:
     """`all_reduce_in_memory`, plus the exclusions every member would learn: member index ->
     why (as `AllReduceResult.excluded` words it)."""
@@ -162,9 +167,12 @@ def all_reduce_in_memory_detailed(
         raise ValueError("contributions must be 1-D tensors of the same length")
     check_bounds(bounds, len(contributions))
     weights = [float(w) for w in weights]
-    split = [torch.tensor_split(c, len(contributions)) for c in contributions]
+    num_parts = len(contributions) if num_parts is None else num_parts
+    if not 1 <= num_parts <= len(contributions):
+        raise ValueError(f"num_parts must be in [1, {len(contributions)}], got {num_parts}")
+    split = [torch.tensor_split(c, num_parts) for c in contributions]
     averaged, by_part = [], {}
-    for j, size in enumerate(part_sizes(numel, len(contributions))):
+    for j, size in enumerate(part_sizes(numel, num_parts)):
         received = [decode(encode(parts[j], compression), size, compression) for parts in split]
         try:
             answer, _ = answer_part(received, weights, bounds, aggregation, compression, size)
@@ -227,15 +235,21 @@ class _Round:
         timeout_s: float,
         aggregation: Aggregation = Aggregation(),
         bounds: Sequence[float | None] | None = None,
+        reducers: Sequence[str] | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.key, self.digest, self.compression = key, digest, compression
         self.aggregation, self.bounds = aggregation, None if bounds is None else list(bounds)
         self.members = list(members)
+        self.reducers = self.members if reducers is None else list(reducers)
+        if not self.reducers or [m for m in self.members if m in self.reducers] != self.reducers:
+            raise ValueError("reducers must be a non-empty subsequence of the sorted members")
         self.weights = [float(w) for w in weights]
         self.me = me
         self.my_index = self.members.index(me)
-        self.sizes = part_sizes(numel, len(self.members))
+        self.my_part = self.reducers.index(me) if me in self.reducers else None
+        """The part I reduce; None in client mode."""
+        self.sizes = part_sizes(numel, len(self.reducers))
         self.deadline = loop.time() + timeout_s
         self.claimed: set[str] = (
             set()
@@ -256,12 +270,19 @@ class _Round:
     def tag(self) -> str:
         return f"[{_short(self.me)} round={self.key}]"
 
+    @property
+    def part(self) -> int:
+        """The part I reduce, on the reducer's side; AllReduceFailed in client mode."""
+        if self.my_part is None:
+            raise AllReduceFailed("I reduce no part in this round (client mode)")
+        return self.my_part
+
     def remaining_s(self) -> float:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
     def fail(self, reason: str) -> None:
         if not self.result.done():
-            self.result.set_exception(AllReduceFailed(f"part {self.my_index}: {reason}"))
+            self.result.set_exception(AllReduceFailed(f"part {self.my_part}: {reason}"))
 
     def accept(self, sender: str, header_bytes: int) -> None:
         """A member's part stream joins the round; it owes one `answered()` call from now on."""
@@ -310,18 +331,18 @@ class _Round:
                 self.bounds,
                 self.aggregation,
                 self.compression,
-                self.sizes[self.my_index],
+                self.sizes[self.part],
             )
         except AllReduceFailed as e:
             self.fail(str(e))
             return
         except Exception as e:  # a bug here must fail the round now, not at its timeout
-            logger.exception("%s reducing part %d failed", self.tag, self.my_index)
+            logger.exception("%s reducing part %s failed", self.tag, self.my_part)
             self.fail(f"{type(e).__name__}: {e}")
             return
         if excluded:  # the details stay here; the answer carries only the reason codes
             details = "; ".join(f"{_short(self.members[i])}: {e}" for i, e in excluded.items())
-            logger.warning("%s part %d excluded %s", self.tag, self.my_index, details)
+            logger.warning("%s part %s excluded %s", self.tag, self.my_part, details)
         if not self.result.done():  # the round may have failed meanwhile
             self.result.set_result(answer)
 
@@ -420,10 +441,12 @@ class PartExchange:
         flat: Tensor,
         allreduce_timeout_s: float,
         bounds: Sequence[float | None] | None = None,
+        reducers: Sequence[str] | None = None,
     ) -> AllReduceResult:
         """Average `flat` (1-D fp32) with the group; the same bits on every member, or raise.
 
-        `members` (sorted), `weights` and `bounds` (same order) and `digest` must be what every
+        `members` (sorted), `weights` and `bounds` (same order), `reducers` (the members that
+        accept connections, in the same order; default all) and `digest` must be what every
         member agreed on at matchmaking; a member whose view differs sends parts no reducer
         accepts, or checks answers differently. `bounds[i]` is member i's declared L2 norm of
         its whole `flat`, or any larger number such as its δ's norm before pruning (None: not
@@ -443,6 +466,7 @@ class PartExchange:
             timeout_s=allreduce_timeout_s,
             aggregation=self._aggregation,
             bounds=bounds,
+            reducers=reducers,
         )
         self._rounds[digest] = rnd
         self._pending_keys.pop(digest, None)
@@ -450,17 +474,17 @@ class PartExchange:
         if started is not None:
             started.set()  # parts that came before the round started here
         self.close_key(key)
-        parts = torch.tensor_split(flat, len(rnd.members))
+        parts = torch.tensor_split(flat, len(rnd.reducers))
         sends: list[asyncio.Task[tuple[dict[int, Reason], Tensor]]] = []
         try:
-            for j, member in enumerate(rnd.members):
-                if member == self._me:
+            for j, reducer in enumerate(rnd.reducers):
+                if reducer == self._me:
                     # my own part of my own contribution: through the same encode/decode path
                     mine = decode(
                         encode(parts[j], self._compression), rnd.sizes[j], self._compression
                     )
-                    rnd.claimed.add(member)
-                    rnd.deliver(member, mine)
+                    rnd.claimed.add(reducer)
+                    rnd.deliver(reducer, mine)
                     sends.append(asyncio.ensure_future(self._own_result(rnd)))
                 else:
                     sends.append(asyncio.ensure_future(self._send_part(rnd, j, parts[j])))
@@ -474,7 +498,7 @@ class PartExchange:
                     raise AllReduceFailed(f"{rnd.tag} {task.exception()}")
             if pending:
                 late = [
-                    f"{j} ({_short(rnd.members[j])})" for j, t in enumerate(sends) if t in pending
+                    f"{j} ({_short(rnd.reducers[j])})" for j, t in enumerate(sends) if t in pending
                 ]
                 raise AllReduceFailed(
                     f"{rnd.tag} timed out after {allreduce_timeout_s} s; no average yet of parts {late}"
@@ -512,7 +536,7 @@ class PartExchange:
                 numel=rnd.sizes[j],
             )
         except AllReduceFailed as e:
-            reducer = _short(rnd.members[j])
+            reducer = _short(rnd.reducers[j])
             raise AllReduceFailed(f"part {j}: reducer {reducer} answered badly: {e}") from None
 
     def _forget(self, digest: bytes) -> None:
@@ -524,12 +548,12 @@ class PartExchange:
         except asyncio.TimeoutError:
             missing = [_short(m) for m in rnd.members if m not in rnd.claimed]
             raise AllReduceFailed(f"my part never received the parts of {missing}") from None
-        return self._read_answer(rnd, rnd.my_index, body)  # as every member reads it
+        return self._read_answer(rnd, rnd.part, body)  # as every member reads it
 
     async def _send_part(
         self, rnd: _Round, j: int, part: Tensor
     ) -> tuple[dict[int, Reason], Tensor]:
-        reducer = rnd.members[j]
+        reducer = rnd.reducers[j]
         header = _PART_HEADER.pack(
             _MAGIC,
             _PROTOCOL_VERSION,
@@ -670,8 +694,8 @@ class PartExchange:
         # checks against the agreed plan; the sender is the authenticated stream peer
         if sender not in rnd.members or sender == self._me:
             raise AllReduceFailed(f"{_short(sender)} is not a member of round {rnd.key}")
-        if index != rnd.my_index:
-            raise AllReduceFailed(f"I reduce part {rnd.my_index}, not part {index}")
+        if index != rnd.part:
+            raise AllReduceFailed(f"I reduce part {rnd.part}, not part {index}")
         if codec != CODEC_ID[rnd.compression]:
             raise AllReduceFailed(f"codec {codec} differs from mine ({rnd.compression})")
         if numel != rnd.sizes[index]:
@@ -691,7 +715,7 @@ class PartExchange:
         A part that arrives whole but does not decode is excluded and its sender refused (an
         AllReduceFailed here); one that does not arrive whole fails the round.
         """
-        numel = rnd.sizes[rnd.my_index]
+        numel = rnd.sizes[rnd.part]
         expected_bytes = encoded_size(numel, rnd.compression)
         try:
             payload = await asyncio.wait_for(_read_frame(reader, expected_bytes), rnd.remaining_s())

@@ -39,7 +39,13 @@ from torch import Tensor
 
 from diloco_peer.averaging.allreduce import AllReduceFailed, PartExchange
 from diloco_peer.averaging.compression import COMPRESSIONS, Compression, prune
-from diloco_peer.averaging.matchmaking import HANDLER_TIMEOUT_S, Group, NoGroup, form_group
+from diloco_peer.averaging.matchmaking import (
+    GATHER_PROTOCOL,
+    HANDLER_TIMEOUT_S,
+    Group,
+    NoGroup,
+    form_group,
+)
 from diloco_peer.averaging.robust import Aggregation
 from diloco_peer.p2p_service import P2PService, P2PServiceStopped, wait_ready
 
@@ -161,6 +167,10 @@ class GroupAverager:
         ("kill this peer right after it joined a group").
     :param tamper: test-only (`join --chaos`): applied to the flat vector after its checks, so
         a hostile peer can send what an honest one never would (NaN, a scaled or random δ).
+    :param client_mode: this peer cannot be dialed (behind a NAT or a firewall; its DHT is in
+        client mode too). It joins groups that others lead, sends its parts and reads the
+        averages over streams it opens itself, and reduces no part: the members that accept
+        connections share the parts. A group whose admitted members are all clients is NoGroup.
     """
 
     def __init__(
@@ -173,6 +183,7 @@ class GroupAverager:
         aggregation: Aggregation | None = None,
         on_group: Callable[[str, list[str]], None] | None = None,
         tamper: Callable[[Tensor], Tensor] | None = None,
+        client_mode: bool = False,
     ) -> None:
         if not _NAME.fullmatch(prefix):
             raise ValueError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
@@ -189,6 +200,7 @@ class GroupAverager:
         self._aggregation = aggregation or Aggregation()
         self._on_group = on_group
         self._tamper = tamper
+        self._client_mode = bool(client_mode)
         self._ready: concurrent.futures.Future[None] | None = None
         self._exchange: PartExchange | None = None
         self._peer_id: str | None = None
@@ -352,7 +364,7 @@ class GroupAverager:
         # join request whose schema hash differs from the leader's
         schema = (
             f"{self._prefix}|{key}|{self._compression}|{self._prune_fraction!r}|{shapes}|"
-            f"{self._aggregation!r}"  # members check averages against their own aggregation
+            f"{self._aggregation!r}|{GATHER_PROTOCOL}"  # members check averages against their own
         )
         schema_hash = hashlib.sha256(schema.encode()).digest()
         started = time.perf_counter()
@@ -368,6 +380,7 @@ class GroupAverager:
                 gather=gather,
                 target_size=target_size,
                 matchmaking_timeout_s=matchmaking_timeout_s,
+                client_mode=self._client_mode,
             )
         except BaseException:
             exchange.close_key(key)  # in no group: others' parts naming this key are refused
@@ -392,9 +405,15 @@ class GroupAverager:
             # state while the honest peers averaged in a group of their own.)
             exchange.close_key(key)
             raise NoGroup(f"{tag} every other member was kept out: {_describe(excluded)}")
+        clients = {m for m, client in zip(group.members, group.clients, strict=True) if client}
+        reducers = tuple(m for m in members if m not in clients)
+        if not reducers:
+            exchange.close_key(key)
+            raise NoGroup(f"{tag} no admitted member accepts connections (all in client mode)")
         weights = dict(zip(group.members, group.weights, strict=True))
         # every admitted member derives the same digest from the same admission
-        digest = hashlib.sha256(group.digest + "|".join(members).encode()).digest()
+        plan = "|".join(members) + "#" + "|".join(reducers)
+        digest = hashlib.sha256(group.digest + plan.encode()).digest()
         reduced = await exchange.all_reduce(
             key=key,
             digest=digest,
@@ -403,6 +422,7 @@ class GroupAverager:
             flat=flat,
             allreduce_timeout_s=allreduce_timeout_s,
             bounds=[admission.bounds[m] for m in members],
+            reducers=reducers,
         )
         average, sent, received = reduced.average, reduced.bytes_sent, reduced.bytes_received
         if reduced.excluded:

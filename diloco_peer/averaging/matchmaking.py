@@ -40,10 +40,14 @@ from diloco_peer.errors import NoGroup
 
 logger = logging.getLogger(__name__)
 
-# magic, envelope version, weight; the caller's gather bytes follow
-_GATHER_HEADER = struct.Struct("<4sBd")
+# magic, envelope version, weight, flags; the caller's gather bytes follow
+_GATHER_HEADER = struct.Struct("<4sBdB")
 _GATHER_MAGIC = b"DLCG"
-_GATHER_VERSION = 1
+_GATHER_VERSION = 2
+GATHER_PROTOCOL = f"gather-v{_GATHER_VERSION}"
+"""Part of every group schema: peers of another envelope version never meet in a group."""
+_CLIENT_FLAG = 0x01
+"""The member dials out only (hivemind's client mode): it reduces no part."""
 _DIGEST_TAG = b"diloco_peer/group-v1"
 
 _MAX_REQUEST_TIMEOUT_S = 3.0
@@ -67,24 +71,30 @@ class Group:
     """Same order as `members`."""
     gathered: tuple[bytes, ...]
     """Each member's own `gather` bytes, same order as `members`."""
+    clients: tuple[bool, ...]
+    """Whether each member dials out only (client mode), same order as `members`: such a member
+    sends its parts and reads the averages but reduces no part, since nobody can dial it."""
     digest: bytes
     """sha256 of everything above: equal on two members iff they saw the same group."""
 
 
-def pack_gather(weight: float, gather: bytes) -> bytes:
-    return _GATHER_HEADER.pack(_GATHER_MAGIC, _GATHER_VERSION, weight) + gather
+def pack_gather(weight: float, gather: bytes, *, client: bool = False) -> bytes:
+    flags = _CLIENT_FLAG if client else 0
+    return _GATHER_HEADER.pack(_GATHER_MAGIC, _GATHER_VERSION, weight, flags) + gather
 
 
-def unpack_gather(data: bytes) -> tuple[float, bytes]:
-    """(weight, gather) from an envelope; AllReduceFailed if it is not a valid one."""
+def unpack_gather(data: bytes) -> tuple[float, bool, bytes]:
+    """(weight, client, gather) from an envelope; AllReduceFailed if it is not a valid one."""
     if len(data) < _GATHER_HEADER.size:
         raise AllReduceFailed(f"gathered data of {len(data)} bytes is too short")
-    magic, version, weight = _GATHER_HEADER.unpack_from(data)
+    magic, version, weight, flags = _GATHER_HEADER.unpack_from(data)
     if magic != _GATHER_MAGIC or version != _GATHER_VERSION:
         raise AllReduceFailed(f"unknown gathered envelope {magic!r} v{version}")
     if not (math.isfinite(weight) and weight > 0):
         raise AllReduceFailed(f"weight {weight} is not finite and positive")
-    return weight, data[_GATHER_HEADER.size :]
+    if flags & ~_CLIENT_FLAG:
+        raise AllReduceFailed(f"unknown flags {flags:#x} in a gathered envelope")
+    return weight, bool(flags & _CLIENT_FLAG), data[_GATHER_HEADER.size :]
 
 
 def group_digest(
@@ -126,8 +136,9 @@ def validate_group(key: str, info: GroupInfo, me: str, my_envelope: bytes) -> Gr
         key=key,
         group_id=info.group_id,
         members=members,
-        weights=tuple(w for w, _ in unpacked),
-        gathered=tuple(g for _, g in unpacked),
+        weights=tuple(w for w, _, _ in unpacked),
+        gathered=tuple(g for _, _, g in unpacked),
+        clients=tuple(c for _, c, _ in unpacked),
         digest=group_digest(key, info.group_id, members, ordered),
     )
 
@@ -182,8 +193,12 @@ async def form_group(
     gather: bytes,
     target_size: int,
     matchmaking_timeout_s: float,
+    client_mode: bool = False,
 ) -> Group:
     """Find peers that call with the same `namespace` (which encodes the key) and schema.
+
+    In `client_mode` (a peer nobody can dial) this peer only asks others to lead; it never
+    declares itself a leader, and its envelope tells the group it reduces no part.
 
     The group closes as soon as `target_size` members are in, or when the leader's time is up
     (about `matchmaking_timeout_s` after it started) with at least two. Raises NoGroup if this
@@ -192,7 +207,7 @@ async def form_group(
     """
     me = p2p.peer_id.to_base58()
     tag = f"[{me[-6:]} round={key}]"
-    envelope = pack_gather(weight, gather)
+    envelope = pack_gather(weight, gather, client=client_mode)
     # the leader's group closes `margin` before the deadline; a peer that arrives later than the
     # leader has a later deadline, so it hears the leader's decision in time
     margin_s = min(_MAX_CLOSE_MARGIN_S, 0.2 * matchmaking_timeout_s)
@@ -210,7 +225,7 @@ async def form_group(
             min_group_size=2,
             min_matchmaking_time=search_s,
             request_timeout=min(_MAX_REQUEST_TIMEOUT_S, 0.5 * search_s),
-            client_mode=False,
+            client_mode=client_mode,
         )
         # Peers may ask for different target sizes; a group larger than this peer's target
         # makes hivemind's key manager fail (random.sample of target buckets). The key it

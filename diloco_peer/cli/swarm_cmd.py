@@ -47,6 +47,11 @@ def join(
     host: str = typer.Option("0.0.0.0", help="Interface to listen on."),
     port: int = typer.Option(0, help="TCP port (0 = any free)."),
     announce: list[str] = typer.Option([], help="Multiaddr others should dial (repeatable)."),
+    client_mode: bool = typer.Option(
+        False,
+        "--client-mode",
+        help="Dial out only, for a machine others cannot dial (NAT, firewall; see `doctor`).",
+    ),
     identity: Path | None = typer.Option(None, help="Key file from `diloco-peer keygen`."),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
     batch_size: str = typer.Option(
@@ -104,9 +109,11 @@ def join(
         max_hours=max_hours, metrics_port=metrics_port, metrics_host=metrics_host,
         tensorboard=str(tensorboard) if tensorboard else None,
         gpu_memory_fraction=gpu_memory_fraction,
-        allowlist=str(allowlist) if allowlist else None, chaos=chaos,
+        allowlist=str(allowlist) if allowlist else None, chaos=chaos, client_mode=client_mode,
     )  # fmt: skip
     founding = None
+    if not swarm and client_mode:
+        raise BadInput("--client-mode needs --swarm: the founder must accept connections")
     if not swarm:
         if protocol not in (None, "sync", "async"):
             raise BadInput(f"unknown --protocol {protocol!r}; choose sync or async")
@@ -421,7 +428,8 @@ def status(
     peers_doc = [
         {"peer_id": h.peer_id, "version": h.version, "state_hash": h.state_hash,
          "speed": h.speed, "loss": h.loss, "last_seen_s": now - h.updated, "in_group": h.in_group,
-         "rss_mb": h.rss_mb, "cpu_percent": h.cpu_percent, "gpu_mem_mb": h.gpu_mem_mb}
+         "rss_mb": h.rss_mb, "cpu_percent": h.cpu_percent, "gpu_mem_mb": h.gpu_mem_mb,
+         "client": h.client}
         for h in sorted(heads.values(), key=lambda h: (-h.version, h.peer_id))
     ]  # fmt: skip
     head = max((h.version for h in heads.values()), default=None)
@@ -456,7 +464,7 @@ def status(
     ):
         t.add_column(col)
     for p in peers_doc:
-        t.add_row(p["peer_id"][-10:], str(p["version"]), p["state_hash"][:12], f"{p['speed']:.2f}",
+        t.add_row(p["peer_id"][-10:] + (" (client)" if p["client"] else ""), str(p["version"]), p["state_hash"][:12], f"{p['speed']:.2f}",
                   f"{p['loss']:.3f}" if p["loss"] is not None else "-",
                   f"{p['rss_mb']:.0f} MB" if p["rss_mb"] is not None else "-",
                   f"{p['cpu_percent']:.0f}%" if p["cpu_percent"] is not None else "-",

@@ -91,6 +91,7 @@ class HeadRecord(pydantic.BaseModel):
         ]
         | None
     ) = None
+    client: pydantic.StrictBool = False
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -148,6 +149,8 @@ class PeerHead:
     """Samples the current phase will train."""
     bans: dict[str, str] | None = None
     """Peers this peer currently bans (DESIGN §4), with the reason; `status` shows them."""
+    client: bool = False
+    """The peer dials out only (`join --client-mode`): nobody can download state from it."""
 
     def __post_init__(self) -> None:
         # Accept ints for float fields (speed=0), as the wire schema will not.

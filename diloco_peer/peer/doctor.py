@@ -208,8 +208,8 @@ def port_fix(port: int) -> str:
     choose = "" if port else " (choose P, pass --port P)"
     return (
         f"open TCP port {p}{choose} on your router (forward it to this machine) and pass "
-        f"--announce /ip4/PUBLIC_IP/tcp/{p}; otherwise this machine takes part only as a "
-        "client-only/relayed peer that others cannot dial"
+        f"--announce /ip4/PUBLIC_IP/tcp/{p}; otherwise join with --client-mode (dial out "
+        "only: it trains and contributes, but reduces no part and serves no state)"
     )
 
 

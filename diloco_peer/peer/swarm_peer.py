@@ -248,6 +248,7 @@ class SwarmPeer:
                 initial_peers=list(self.spec.swarm),
                 record_validators=records.record_validators(self.identity, run_name, allowed),
                 startup_timeout=30,
+                client_mode=self.spec.client_mode,
             )
         except Exception as e:  # hivemind reports bad addresses and busy ports this way
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
@@ -283,6 +284,7 @@ class SwarmPeer:
             aggregation=Aggregation(method=self.swarm.aggregation, min_cosine=(
                 None if self.swarm.min_cosine <= -1 else self.swarm.min_cosine)),
             on_group=_fault_injection_hook(), tamper=self.guard.tamper,
+            client_mode=self.spec.client_mode,
         )  # fmt: skip
         self.averager.start()
         self.averager.wait_until_ready(timeout_s=30)
@@ -441,7 +443,11 @@ class SwarmPeer:
         want = max(votes, key=lambda x: (votes[x], x))
         if top == self.state.version and want == mine:
             return False
-        donors = [h.peer_id for h in others if h.version == top and h.state_hash == want]
+        donors = [
+            h.peer_id
+            for h in others
+            if h.version == top and h.state_hash == want and not h.client  # nobody dials those
+        ]
         random.Random(f"{self.peer_id}/{top}").shuffle(donors)
         old_version = self.state.version
         t0 = time.time()
@@ -748,6 +754,7 @@ class SwarmPeer:
             shard=self._phase_shard if self._eta is not None else None,
             planned_samples=self._phase_samples if self._eta is not None else None,
             bans=self._bans_for_head(),
+            client=self.spec.client_mode,
             **self._resources(),
         )
         try:

@@ -1,0 +1,229 @@
+"""An emulated wide-area network on one machine, for tests and benchmarks (needs root).
+
+    with NetLab() as lab:
+        a = lab.add_host(up_mbit=100, down_mbit=100)            # a home link, both ways
+        b = lab.add_host(up_mbit=50, down_mbit=1000)            # slow upload, fast download
+        c = lab.add_host(up_mbit=100, down_mbit=100, inbound=False)   # behind a NAT router
+        proc = subprocess.Popen(c.argv(["python", "-m", "diloco_peer", "join", ...]))
+        ...
+        print(a.tx_bytes(), a.rx_bytes())                       # bytes on a's wire
+        a = lab.reshape(a, up_mbit=1000, down_mbit=1000)        # new rates, same processes
+
+Each host is a network namespace with one interface, `eth0`, holding a private address of the
+lab's subnet (10.213.0.0/24, first host .1), plus its own loopback. Every `eth0` is one end of a
+veth pair whose other end is a port of one bridge, which lives in a namespace of its own (the
+"hub"). So hosts reach each other, and nothing else: the lab has no route out, and this machine's
+own namespaces never see its traffic.
+
+Link rates are token-bucket filters (`tc qdisc ... tbf`): the host's upload shapes its `eth0`
+egress, its download the egress of its bridge port. A rate of None leaves that direction at veth
+speed. `lab.reshape(host, up_mbit=, down_mbit=)` changes a host's rates while its processes run
+(`tc qdisc replace`), so one set of processes can be measured at several rates. `inbound=False` emulates a router that refuses unsolicited connections: TCP segments with
+SYN and without ACK headed for the host are dropped at its bridge port (a `u32` filter steering
+them to a zero-length fifo; this kernel has no drop action), so the host can dial out and use
+what it dialed, but nobody can dial it; a dial to it times out, as it would through a NAT.
+(hivemind speaks TCP only here, so UDP is left alone.)
+
+Namespaces are named `<prefix>-hub` and `<prefix>-h<i>`; the prefix defaults to one per process,
+so two labs never collide. `close()` (or leaving the `with`) deletes every namespace, which kills
+nothing: stop the processes you started in them first. `remove_stale()` deletes what a killed run
+left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+SUBNET = "10.213.0"
+"""The lab's /24: hosts get .1, .2, ... (the subnet is private and never routed out)."""
+_MAX_HOSTS = 250
+_PREFIX = re.compile(r"[a-z][a-z0-9]{0,7}")
+_CMD_TIMEOUT_S = 20.0
+
+
+class NetLabError(RuntimeError):
+    """The lab could not be built: not root, no `ip`/`tc`, or the kernel refused a step."""
+
+
+def _run(*argv: str) -> None:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NetLabError(f"`{' '.join(argv)}` failed: {e}") from None
+    if done.returncode != 0:
+        reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no message"
+        raise NetLabError(f"`{' '.join(argv)}` failed: {reason}")
+
+
+def _rate(mbit: float | None, what: str) -> float | None:
+    if mbit is None:
+        return None
+    if isinstance(mbit, bool) or not isinstance(mbit, (int, float)) or not 0.1 <= mbit <= 100_000:
+        raise ValueError(f"{what} must be None or a rate in Mbit/s in [0.1, 100000], got {mbit!r}")
+    return float(mbit)
+
+
+def _tbf(mbit: float) -> list[str]:
+    """A token bucket for `mbit`: the burst holds at least 4 ms of traffic (a kernel tick at
+    HZ=250), so the bucket never caps the rate below what it says; 50 ms of queue."""
+    burst = max(64 * 1024, int(mbit * 1e6 / 8 * 0.004))
+    return ["tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "50ms"]
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated machine: its namespace, its address and its link."""
+
+    netns: str
+    ip: str
+    up_mbit: float | None
+    down_mbit: float | None
+    inbound: bool
+
+    def argv(self, command: list[str]) -> list[str]:
+        """`command`, run inside this host (for subprocess.Popen and friends)."""
+        return ["ip", "netns", "exec", self.netns, *command]
+
+    def _counter(self, name: str) -> int:
+        done = subprocess.run(
+            self.argv(["cat", f"/sys/class/net/eth0/statistics/{name}"]),
+            capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=True,
+        )  # fmt: skip
+        return int(done.stdout)
+
+    def tx_bytes(self) -> int:
+        """Bytes this host has sent on its link (IP packets with their headers, since creation)."""
+        return self._counter("tx_bytes")
+
+    def rx_bytes(self) -> int:
+        """Bytes this host has received on its link."""
+        return self._counter("rx_bytes")
+
+
+class NetLab:
+    """Namespaces joined by a bridge; see the module docstring."""
+
+    def __init__(self, prefix: str | None = None) -> None:
+        prefix = prefix if prefix is not None else f"dp{os.getpid() % 100_000}"
+        if not _PREFIX.fullmatch(prefix):
+            raise ValueError(f"prefix must match {_PREFIX.pattern}, got {prefix!r}")
+        if os.geteuid() != 0:
+            raise NetLabError("an emulated network needs root (ip netns, tc)")
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                raise NetLabError(f"`{tool}` is not installed (Debian: iproute2)")
+        self.prefix = prefix
+        self.hub = f"{prefix}-hub"
+        self.hosts: list[Host] = []
+        self.remove_stale(prefix)
+        try:
+            _run("ip", "netns", "add", self.hub)
+            _run("ip", "-n", self.hub, "link", "set", "lo", "up")
+            _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+        except NetLabError:
+            self.close()
+            raise
+
+    def __enter__(self) -> NetLab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add_host(
+        self, *, up_mbit: float | None = None, down_mbit: float | None = None, inbound: bool = True
+    ) -> Host:
+        """A new host on the bridge, with the given upload and download rates (Mbit/s)."""
+        up, down = _rate(up_mbit, "up_mbit"), _rate(down_mbit, "down_mbit")
+        index = len(self.hosts) + 1
+        if index > _MAX_HOSTS:
+            raise NetLabError(f"a lab holds at most {_MAX_HOSTS} hosts")
+        host = Host(f"{self.prefix}-h{index}", f"{SUBNET}.{index}", up, down, bool(inbound))
+        port = f"v{index}"
+        _run("ip", "netns", "add", host.netns)
+        self.hosts.append(host)
+        _run("ip", "-n", host.netns, "link", "set", "lo", "up")
+        _run(
+            "ip", "link", "add", "eth0", "netns", host.netns,
+            "type", "veth", "peer", "name", port, "netns", self.hub,
+        )  # fmt: skip
+        _run("ip", "-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
+        _run("ip", "-n", host.netns, "link", "set", "eth0", "up")
+        _run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
+        _run("ip", "-n", self.hub, "link", "set", port, "up")
+        if up is not None:
+            _run("ip", "netns", "exec", host.netns, "tc", "qdisc", "add", "dev", "eth0", "root",
+                 *_tbf(up))  # fmt: skip
+        self._shape_port(port, down, host.inbound)
+        return host
+
+    def reshape(
+        self, host: Host, *, up_mbit: float | None = None, down_mbit: float | None = None
+    ) -> Host:
+        """Change `host`'s link rates in place (None: unshaped), without touching its processes
+        or their connections; returns the host as it now is (also in `hosts`, replacing it).
+        Packets queued at the old rate leave at the new one."""
+        up, down = _rate(up_mbit, "up_mbit"), _rate(down_mbit, "down_mbit")
+        index = next((i for i, h in enumerate(self.hosts) if h.netns == host.netns), None)
+        if index is None:
+            raise NetLabError(f"{host.netns} is not a host of this lab")
+        old = self.hosts[index]
+        tc = ["ip", "netns", "exec", old.netns, "tc", "qdisc"]
+        if up is not None:
+            _run(*tc, "replace", "dev", "eth0", "root", *_tbf(up))
+        elif old.up_mbit is not None:
+            _run(*tc, "del", "dev", "eth0", "root")
+        port = f"v{index + 1}"
+        tc = ["ip", "netns", "exec", self.hub, "tc", "qdisc"]
+        where = ["root"] if old.inbound else ["parent", "1:10", "handle", "10:"]
+        if down is not None:
+            _run(*tc, "replace", "dev", port, *where, *_tbf(down))
+        elif old.down_mbit is not None:
+            _run(*tc, "del", "dev", port, *where)
+        new = Host(old.netns, old.ip, up, down, old.inbound)
+        self.hosts[index] = new
+        return new
+
+    def _shape_port(self, port: str, down: float | None, inbound: bool) -> None:
+        tc = ["ip", "netns", "exec", self.hub, "tc"]
+        if inbound:
+            if down is not None:
+                _run(*tc, "qdisc", "add", "dev", port, "root", *_tbf(down))
+            return
+        # htb as a classifier only: class 1:10 (everything, at most `down`), class 1:20 (dialing
+        # SYNs: a fifo of length 0 drops them). Offset 33 = 20-byte IPv4 header + TCP flags byte.
+        _run(*tc, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "10")
+        _run(*tc, "class", "add", "dev", port, "parent", "1:", "classid", "1:10",
+             "htb", "rate", "100gbit", "quantum", "60000")  # fmt: skip
+        _run(*tc, "class", "add", "dev", port, "parent", "1:", "classid", "1:20",
+             "htb", "rate", "1mbit", "quantum", "1514")  # fmt: skip
+        if down is not None:
+            _run(*tc, "qdisc", "add", "dev", port, "parent", "1:10", "handle", "10:", *_tbf(down))
+        _run(*tc, "qdisc", "add", "dev", port, "parent", "1:20", "handle", "20:",
+             "pfifo", "limit", "0")  # fmt: skip
+        _run(*tc, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1",
+             "u32", "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x02", "0x12",
+             "at", "33", "flowid", "1:20")  # fmt: skip
+
+    def close(self) -> None:
+        """Delete every namespace of this lab (idempotent). Stop its processes first."""
+        self.remove_stale(self.prefix)
+        self.hosts = []
+
+    @staticmethod
+    def remove_stale(prefix: str) -> None:
+        """Delete the namespaces named `<prefix>-*` (a previous lab of this prefix, killed)."""
+        names = Path("/run/netns")
+        if not names.is_dir():
+            return
+        for path in sorted(names.iterdir()):
+            if path.name.startswith(f"{prefix}-"):
+                subprocess.run(
+                    ["ip", "netns", "del", path.name], capture_output=True, timeout=_CMD_TIMEOUT_S
+                )

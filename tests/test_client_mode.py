@@ -1,0 +1,125 @@
+"""A peer that can only dial out (issue 6, item 4), on an emulated network (diloco_peer.netlab).
+
+Three hosts on a bridge: a founder, a peer, and a volunteer behind a "router" that drops every
+connection attempt towards it. The volunteer joins with `--client-mode`: it must download the
+state, contribute to every round's average, and end on the others' state hashes, while nobody
+can open a connection to it. Needs root (network namespaces), as CI has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco_peer.netlab import NetLab
+
+PY = [sys.executable, "-m", "diloco_peer"]
+PORT = 31337
+
+
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _wait_event(log: Path, event: str, timeout_s: float) -> dict:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for e in _events(log):
+            if e["event"] == event:
+                return e
+        time.sleep(0.2)
+    raise TimeoutError(f"no {event} in {log} within {timeout_s} s")
+
+
+def _dial(host_argv: list[str], ip: str, port: int) -> subprocess.CompletedProcess[str]:
+    probe = f"import socket; socket.create_connection(({ip!r}, {port}), timeout=3).close()"
+    return subprocess.run(
+        [*host_argv, sys.executable, "-c", probe], capture_output=True, text=True, timeout=20
+    )
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(300)
+def test_a_dial_out_only_peer_contributes_to_every_round(tmp_path: Path) -> None:
+    procs: list[subprocess.Popen[bytes]] = []
+    with NetLab() as lab:
+        try:
+            founder_host = lab.add_host(up_mbit=100, down_mbit=100)
+            peer_host = lab.add_host(up_mbit=100, down_mbit=100)
+            nat_host = lab.add_host(up_mbit=100, down_mbit=100, inbound=False)
+
+            def start(name: str, host_argv: list[str], *args: str) -> tuple[Path, Path]:
+                log, err = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.err"
+                cmd = [*PY, "join", "--run", "t", "--quiet", "--threads", "1",
+                       "--log-json", str(log), "--until-version", "3", *args]  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        [*host_argv, *cmd],
+                        stdout=subprocess.DEVNULL,
+                        stderr=open(err, "wb"),
+                        start_new_session=True,
+                    )  # fmt: skip
+                )
+                return log, err
+
+            log_f, _ = start(
+                "founder", founder_host.argv([]), "--model", "nano", "--inner-steps", "10",
+                "--expected-peers", "3", "--host", founder_host.ip, "--port", str(PORT),
+            )  # fmt: skip
+            maddr = _wait_event(log_f, "start", 120)["maddrs"][0]
+            log_p, _ = start("peer", peer_host.argv([]), "--swarm", maddr, "--host", peer_host.ip)
+            log_c, err_c = start(
+                "client", nat_host.argv([]), "--swarm", maddr, "--host", nat_host.ip,
+                "--port", str(PORT), "--client-mode",
+            )  # fmt: skip
+            client_id = _wait_event(log_c, "start", 120)["peer"]
+
+            # the volunteer's port is open inside its host, yet nobody outside can reach it
+            inside = _dial(nat_host.argv([]), nat_host.ip, PORT)
+            assert inside.returncode == 0, inside.stderr[-500:]
+            outside = _dial(peer_host.argv([]), nat_host.ip, PORT)
+            assert outside.returncode != 0 and "timed out" in outside.stderr, outside.stderr[-500:]
+            assert _dial(nat_host.argv([]), founder_host.ip, PORT).returncode == 0  # dials out
+
+            for proc in procs:
+                assert proc.wait(timeout=240) == 0, err_c.read_text()[-3000:]
+        finally:
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+
+    rounds = {name: [e for e in _events(log) if e["event"] == "round"]
+              for name, log in (("founder", log_f), ("peer", log_p), ("client", log_c))}  # fmt: skip
+    # the client downloaded the state (from peers it dialed) or trained from version 0 with
+    # them; either way it then took part in rounds whose average holds its δ
+    assert rounds["client"], rounds
+    short = client_id[-6:]
+    with_client = [e for e in rounds["founder"] + rounds["peer"] if short in str(e["members"])]
+    assert len(with_client) >= 2, rounds["founder"]
+    # it reduced no part: it sent only its own parts, the reducers also sent averages back
+    sent = {name: max(e["bytes_sent"] for e in events) for name, events in rounds.items()}
+    assert sent["client"] < 0.8 * min(sent["founder"], sent["peer"]), sent
+    # and every peer holds the same state at every version it reached
+    agreed: dict[int, str] = {}
+    for events in rounds.values():
+        for e in events:
+            assert agreed.setdefault(e["version"], e["state_hash"]) == e["state_hash"], e
+    assert max(e["version"] for e in rounds["client"]) == 3
