@@ -29,7 +29,7 @@ import concurrent.futures
 import logging
 import struct
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from hivemind.dht import DHT, DHTNode
@@ -60,6 +60,17 @@ STREAM_ERRORS: tuple[type[BaseException], ...] = (
 )
 """What a broken, refused or timed-out stream raises (ConnectionError is an OSError,
 IncompleteReadError an EOFError)."""
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, max_bytes: int, error: Callable[[str], Exception]
+) -> bytes:
+    """One `P2P.send_raw_data` frame, refusing one longer than `max_bytes` before reading it
+    (raises `error(reason)`): a peer's length prefix never sizes an allocation by itself."""
+    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+    if length > max_bytes:
+        raise error(f"frame of {length} bytes, at most {max_bytes} expected")
+    return await reader.readexactly(length)
 
 
 def wait_ready(ready: concurrent.futures.Future[Any] | None, timeout_s: float, what: str) -> None:

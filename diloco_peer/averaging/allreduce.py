@@ -90,7 +90,7 @@ from diloco_peer.averaging.robust import (
 )
 from diloco_peer.averaging.robust import reduce_part as reduce_part  # re-exported
 from diloco_peer.errors import AllReduceFailed
-from diloco_peer.p2p_service import STREAM_ERRORS
+from diloco_peer.p2p_service import STREAM_ERRORS, read_frame
 
 logger = logging.getLogger(__name__)
 
@@ -186,11 +186,7 @@ def all_reduce_in_memory_detailed(
 
 
 async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
-    """One `P2P.send_raw_data` frame, refusing one longer than `max_bytes` before reading it."""
-    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-    if length > max_bytes:
-        raise AllReduceFailed(f"frame of {length} bytes exceeds the expected {max_bytes}")
-    return await reader.readexactly(length)
+    return await read_frame(reader, max_bytes, AllReduceFailed)
 
 
 def _framed(data: bytes) -> int:

@@ -57,6 +57,8 @@ _MAX_CLOSE_MARGIN_S = 1.0
 hear BEGIN_ALLREDUCE before their own deadline rather than just after it."""
 HANDLER_TIMEOUT_S = 10.0
 """Registering or removing a handler with the local p2p daemon."""
+_CLIENT_EXTRA_S = 5.0
+"""A client-mode follower waits this much longer than a leader would: see _FollowerMatchmaking."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,23 @@ def validate_group(key: str, info: GroupInfo, me: str, my_envelope: bytes) -> Gr
     )
 
 
+class _FollowerMatchmaking(Matchmaking):
+    """hivemind's matchmaking for a peer in client mode, which can only follow.
+
+    A leader refuses a follower whose join request expires before the leader's own declared
+    expiration (BAD_EXPIRATION_TIME), and hivemind's follower asks with its scheduled time. A
+    server-mode peer that starts its search first simply leads; a client cannot, so if it
+    started before every leader (it finished its local phase first) every leader refused it
+    and it sat the round out (seen in tests/test_client_mode.py). Here it asks with its hard
+    deadline instead, which form_group puts `_CLIENT_EXTRA_S` after a leader's: any leader that
+    declared up to that much later accepts it. Once accepted it waits for the leader's
+    BEGIN_ALLREDUCE until that same deadline (plus hivemind's request timeout).
+    """
+
+    def get_request_expiration_time(self) -> float:
+        return float(self.potential_leaders.search_end_time)
+
+
 class _JoinServicer(ServicerBase):
     """Serves hivemind's `rpc_join_group` for the one `Matchmaking` of a round."""
 
@@ -198,7 +217,8 @@ async def form_group(
     """Find peers that call with the same `namespace` (which encodes the key) and schema.
 
     In `client_mode` (a peer nobody can dial) this peer only asks others to lead; it never
-    declares itself a leader, and its envelope tells the group it reduces no part.
+    declares itself a leader, its envelope tells the group it reduces no part, and it waits
+    `_CLIENT_EXTRA_S` longer for a leader (see _FollowerMatchmaking).
 
     The group closes as soon as `target_size` members are in, or when the leader's time is up
     (about `matchmaking_timeout_s` after it started) with at least two. Raises NoGroup if this
@@ -215,7 +235,7 @@ async def form_group(
     servicer = _JoinServicer()
     await asyncio.wait_for(servicer.add_p2p_handlers(p2p, namespace=namespace), HANDLER_TIMEOUT_S)
     try:
-        servicer.matchmaking = Matchmaking(
+        servicer.matchmaking = (_FollowerMatchmaking if client_mode else Matchmaking)(
             p2p,
             schema_hash,
             dht,
@@ -234,7 +254,7 @@ async def form_group(
         now = get_dht_time()
         step = StepControl(
             scheduled_time=now + search_s,
-            deadline=now + matchmaking_timeout_s,
+            deadline=now + matchmaking_timeout_s + (_CLIENT_EXTRA_S if client_mode else 0.0),
             allow_retries=False,
             weight=weight,
             data_for_gather=envelope,
@@ -246,7 +266,8 @@ async def form_group(
         try:
             # look_for_group stops itself at the deadline; the bound here is a backstop
             info = await asyncio.wait_for(
-                servicer.matchmaking.look_for_group(step), matchmaking_timeout_s + HANDLER_TIMEOUT_S
+                servicer.matchmaking.look_for_group(step),
+                matchmaking_timeout_s + _CLIENT_EXTRA_S + HANDLER_TIMEOUT_S,
             )
         except asyncio.TimeoutError:
             raise NoGroup(f"{tag} matchmaking overran {matchmaking_timeout_s} s") from None

@@ -90,7 +90,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from diloco_peer.coordinator_free.update_log import peek_update
 from diloco_peer.errors import StateTransferFailed
-from diloco_peer.p2p_service import STREAM_ERRORS, P2PService, P2PServiceStopped
+from diloco_peer.p2p_service import STREAM_ERRORS, P2PService, P2PServiceStopped, read_frame
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +184,7 @@ def _handler_name(run: str) -> str:
 
 
 async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
-    """One `P2P.send_raw_data` frame, refusing one longer than `max_bytes` before reading it."""
-    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-    if length > max_bytes:
-        raise StateTransferFailed(f"frame of {length} bytes, at most {max_bytes} expected")
-    return await reader.readexactly(length)
+    return await read_frame(reader, max_bytes, StateTransferFailed)
 
 
 class _Refusal(Exception):

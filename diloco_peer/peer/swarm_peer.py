@@ -13,6 +13,7 @@ winner and re-contributes the δ it had applied on the losing branch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
+from multiaddr import Multiaddr
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -40,10 +42,11 @@ from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.robust import Aggregation
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import PeerSpec, RunSpec
-from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free import reachability, records
 from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.coordinator_free.dylu import dylu_steps
 from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest, SwarmSettings
+from diloco_peer.coordinator_free.reachability import DialBackServer
 from diloco_peer.coordinator_free.sampler import shard_probabilities
 from diloco_peer.coordinator_free.state_transfer import (
     StateBlob,
@@ -54,7 +57,7 @@ from diloco_peer.coordinator_free.state_transfer import (
     download_update,
 )
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
-from diloco_peer.errors import BadInput, ConfigError, DilocoError
+from diloco_peer.errors import BadInput, ConfigError, DilocoError, P2PServiceStopped
 from diloco_peer.identity import Identity
 from diloco_peer.p2p_service import P2PService
 from diloco_peer.peer.checkpoint import (
@@ -82,6 +85,8 @@ HEAD_TTL_S = 60.0
 """A head older than this is a peer that left; heartbeats refresh it every HEAD_TTL_S / 4."""
 DHT_TIMEOUT_S = 10.0
 STATE_TIMEOUT_S = 120.0
+REACHABILITY_TIMEOUT_S = 10.0
+"""A joiner's dial-back probe (reachability.py): at most this long before it trains."""
 CHECKPOINT_FORMAT = "diloco-peer/peer-checkpoint-v2"
 """v2 added the sha256 of everything in the file (v1 files are refused with a clear error)."""
 
@@ -173,6 +178,9 @@ class SwarmPeer:
         self.service: P2PService | None = None
         self.averager: GroupAverager | None = None
         self.server: StateServer | None = None
+        self.dialback: DialBackServer | None = None
+        self.client_mode = spec.client_mode
+        """Dial out only: `--client-mode`, or set at start when no swarm peer could dial us."""
         self._blob: StateBlob | None = None
         self._pending: _Contribution | None = None
         # The δ this peer applied last, with the version it produced: if that version's branch
@@ -239,20 +247,12 @@ class SwarmPeer:
         run_name = self.spec.run_name
         self.allowlist = self._load_allowlist()
         allowed = None if self.allowlist is None else self.allowlist.peer_ids
-        try:
-            self.dht = DHT(
-                start=True,
-                identity_path=str(key_path),
-                host_maddrs=[f"/ip4/{self.spec.host}/tcp/{self.spec.port}"],
-                announce_maddrs=list(self.spec.announce) or None,
-                initial_peers=list(self.spec.swarm),
-                record_validators=records.record_validators(self.identity, run_name, allowed),
-                startup_timeout=30,
-                client_mode=self.spec.client_mode,
-            )
-        except Exception as e:  # hivemind reports bad addresses and busy ports this way
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise BadInput(f"cannot start the peer's network node: {reason}") from None
+        # A joiner that was not told starts as a client (dial out only) and asks a swarm peer to
+        # dial it (reachability.py); only then does it become a full DHT node, so that a
+        # machine nobody can dial never enters the others' routing tables.
+        probing = self.founding is None and not self.spec.client_mode and not self.spec.announce
+        self.client_mode = self.spec.client_mode or probing
+        self.dht = self._start_dht(key_path, allowed, self.spec.port)
         resumed = self._checkpoint_manifest()
         if self.founding is not None:
             run, swarm = self.founding
@@ -275,6 +275,8 @@ class SwarmPeer:
         self.service.start()
         self.service.wait_until_ready(timeout_s=30)
         prefix = "dp_" + hashlib.sha256(run_name.encode()).hexdigest()[:16]
+        if probing:
+            self._check_reachability(prefix, key_path, allowed)
         self.guard = Guard(
             self.identity, run_name, self.swarm, allow=self._allowed, chaos=self.chaos
         )
@@ -284,7 +286,7 @@ class SwarmPeer:
             aggregation=Aggregation(method=self.swarm.aggregation, min_cosine=(
                 None if self.swarm.min_cosine <= -1 else self.swarm.min_cosine)),
             on_group=_fault_injection_hook(), tamper=self.guard.tamper,
-            client_mode=self.spec.client_mode,
+            client_mode=self.client_mode,
         )  # fmt: skip
         self.averager.start()
         self.averager.wait_until_ready(timeout_s=30)
@@ -296,6 +298,9 @@ class SwarmPeer:
             allow=self._allowed,
         )
         self.server.start()
+        if not self.client_mode:  # joiners ask a peer like this one whether they can be dialed
+            self.dialback = DialBackServer(self.service, prefix)
+            self.dialback.start()
         self._resume()
         self._snapshot()
         self._publish_head()
@@ -308,6 +313,71 @@ class SwarmPeer:
             group_size=0, loss=None, maddrs=self.visible_maddrs(), run=run_name,
             manifest=self.signed.digest, ppl=self.eval_ppl(),
         )  # fmt: skip
+
+    def _start_dht(self, key_path: Path, allowed: frozenset[str] | None, port: int) -> DHT:
+        """This peer's DHT node (and libp2p daemon), in client mode if `self.client_mode`."""
+        try:
+            return DHT(
+                start=True,
+                identity_path=str(key_path),
+                host_maddrs=[f"/ip4/{self.spec.host}/tcp/{port}"],
+                announce_maddrs=list(self.spec.announce) or None,
+                initial_peers=list(self.spec.swarm),
+                record_validators=records.record_validators(
+                    self.identity, self.spec.run_name, allowed
+                ),
+                startup_timeout=30,
+                client_mode=self.client_mode,
+                # a restart after the reachability probe reuses the key of the node it replaces
+                check_if_identity_free=self.dht is None,
+            )
+        except Exception as e:  # hivemind reports bad addresses and busy ports this way
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise BadInput(f"cannot start the peer's network node: {reason}") from None
+
+    def _check_reachability(
+        self, prefix: str, key_path: Path, allowed: frozenset[str] | None
+    ) -> None:
+        """Ask a swarm peer to dial this (client-mode) one on its port (reachability.py). If it
+        did, or if no peer answered, start over as a full peer on the same port; if it could
+        not, stay a client rather than stall every group that would count on reaching us."""
+        port = 0
+        for maddr in self.dht.get_visible_maddrs() if self.dht is not None else []:
+            with contextlib.suppress(Exception):  # an address without a TCP port
+                port = int(maddr.value_for_protocol("tcp"))
+                break
+        servers = list(
+            dict.fromkeys(Multiaddr(a).value_for_protocol("p2p") for a in self.spec.swarm)
+        )
+        verdict = reachability.Verdict("unknown", "no port or no swarm peer to ask")
+        if port and servers and self.service is not None:
+            try:
+                verdict = reachability.probe(
+                    self.service, prefix, servers, port=port, timeout_s=REACHABILITY_TIMEOUT_S
+                )
+            except (TimeoutError, P2PServiceStopped) as e:
+                verdict = reachability.Verdict("unknown", f"the probe failed: {e!r}")
+        self.events.emit(
+            "reachability", version=self.state.version, state_hash=self.state.hash(),
+            group_size=0, loss=None, status=verdict.status, detail=verdict.detail, port=port,
+        )  # fmt: skip
+        if verdict.status == "private":
+            log.warning(
+                "[%s] no swarm peer can dial this machine (%s): taking part in client mode "
+                "(dial out only; see `diloco-peer doctor`, or forward a port and pass --announce)",
+                self.peer_id[-6:], verdict.detail,
+            )  # fmt: skip
+            return
+        log.info("[%s] reachability: %s (%s)", self.peer_id[-6:], verdict.status, verdict.detail)
+        if self.service is not None:
+            self.service.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()
+        self.client_mode = False
+        self.dht = self._start_dht(key_path, allowed, port)
+        self.service = P2PService(self.dht)
+        self.service.start()
+        self.service.wait_until_ready(timeout_s=30)
 
     def _load_allowlist(self) -> Allowlist | None:
         """`--allowlist`, checked for this run and this peer (its owner is checked against the
@@ -754,7 +824,7 @@ class SwarmPeer:
             shard=self._phase_shard if self._eta is not None else None,
             planned_samples=self._phase_samples if self._eta is not None else None,
             bans=self._bans_for_head(),
-            client=self.spec.client_mode,
+            client=self.client_mode,
             **self._resources(),
         )
         try:
@@ -1332,7 +1402,7 @@ class SwarmPeer:
                 self.metrics.shutdown()
             if self.tensorboard is not None:
                 self.tensorboard.close()
-            for part in (self.server, self.averager, self.service):
+            for part in (self.dialback, self.server, self.averager, self.service):
                 if part is not None:
                     try:
                         part.shutdown()

@@ -1,0 +1,113 @@
+"""The dial-back probe (coordinator_free/reachability.py) between two real nodes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+
+import pytest
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, PeerID
+from multiaddr import Multiaddr
+
+from diloco_peer.coordinator_free import reachability
+from diloco_peer.coordinator_free.reachability import DialBackServer, _observed_ip, probe
+from diloco_peer.p2p_service import P2PService, read_frame
+
+PREFIX = "dp_test"
+
+
+def test_observed_ip_takes_the_address_and_nothing_else() -> None:
+    assert _observed_ip(Multiaddr("/ip4/10.213.0.3/tcp/31337")) == "10.213.0.3"
+    assert _observed_ip(Multiaddr("/ip6/::1/tcp/5")) == "::1"
+    assert _observed_ip(Multiaddr("/dns4/example.org/tcp/5")) is None
+    assert _observed_ip(None) is None
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[P2PService, P2PService, str]]:
+    """A node serving dial-backs, and a second node that asks it; each with its P2P service."""
+    dhts: list[DHT] = []
+    services: list[P2PService] = []
+    server = None
+    try:
+        first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        dhts.append(first)
+        maddrs = [str(m) for m in first.get_visible_maddrs()]
+        dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs))
+        for dht in dhts:
+            services.append(P2PService(dht))
+            services[-1].start()
+            services[-1].wait_until_ready(30)
+        server = DialBackServer(services[0], PREFIX)
+        server.start()
+        yield services[0], services[1], services[0].peer_id
+    finally:
+        if server is not None:
+            server.shutdown()
+        for service in services:
+            service.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_an_open_port_is_public_and_a_closed_one_private(
+    pair: tuple[P2PService, P2PService, str],
+) -> None:
+    _, asker, server_id = pair
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        verdict = probe(asker, PREFIX, [server_id], port=port, timeout_s=10)
+        assert verdict.status == "public", verdict
+    # nothing listens there any more: the server's dial is refused
+    verdict = probe(asker, PREFIX, [server_id], port=port, timeout_s=10)
+    assert verdict.status == "private" and server_id[-6:] in verdict.detail, verdict
+
+
+@pytest.mark.timeout(60)
+def test_no_server_to_ask_is_unknown_not_private(pair: tuple[P2PService, P2PService, str]) -> None:
+    _, asker, server_id = pair
+    # a peer without the handler (another prefix): no answer, so nothing is concluded
+    verdict = probe(asker, "dp_other", [server_id], port=9, timeout_s=5)
+    assert verdict.status == "unknown", verdict
+    assert probe(asker, PREFIX, [], port=9, timeout_s=5).status == "unknown"
+    with pytest.raises(ValueError):
+        probe(asker, PREFIX, [server_id], port=0, timeout_s=5)
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_request_is_refused(pair: tuple[P2PService, P2PService, str]) -> None:
+    _, asker, server_id = pair
+
+    async def ask(raw: bytes) -> bytes:
+        _, reader, writer = await asker.p2p.call_binary_stream_handler(
+            PeerID.from_base58(server_id), f"{PREFIX}_dialback"
+        )
+        try:
+            await P2P.send_raw_data(raw, writer)
+            return await read_frame(reader, 1000, ValueError)
+        finally:
+            writer.close()
+
+    for raw in (
+        b"",
+        b"DLDB",
+        b"XXXX\x01\x00\x50",
+        b"DLDB\x01\x00\x00",
+        b"DLDB\x09\x00\x50",
+        b"x" * 50,
+    ):
+        answer = asker.run(ask(raw), 20)
+        assert answer == b"NObad request", (raw, answer)
+
+
+def test_dial_reports_why_it_failed() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        failure = asyncio.run(reachability.dial("127.0.0.1", port, 2.0))
+    assert failure is not None and str(port) in failure
