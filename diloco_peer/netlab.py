@@ -7,6 +7,7 @@
         proc = subprocess.Popen(c.argv(["python", "-m", "diloco_peer", "join", ...]))
         ...
         print(a.tx_bytes(), a.rx_bytes())                       # bytes on a's wire
+        print(lab.drops(a))                                     # packets its shaping dropped
         a = lab.reshape(a, up_mbit=1000, down_mbit=1000)        # new rates, same processes
 
 Each host is a network namespace with one interface, `eth0`, holding a private address of the
@@ -18,11 +19,13 @@ own namespaces never see its traffic.
 Link rates are token-bucket filters (`tc qdisc ... tbf`): the host's upload shapes its `eth0`
 egress, its download the egress of its bridge port. A rate of None leaves that direction at veth
 speed. `lab.reshape(host, up_mbit=, down_mbit=)` changes a host's rates while its processes run
-(`tc qdisc replace`), so one set of processes can be measured at several rates. `inbound=False` emulates a router that refuses unsolicited connections: TCP segments with
-SYN and without ACK headed for the host are dropped at its bridge port (a `u32` filter steering
-them to a zero-length fifo; this kernel has no drop action), so the host can dial out and use
-what it dialed, but nobody can dial it; a dial to it times out, as it would through a NAT.
-(hivemind speaks TCP only here, so UDP is left alone.)
+(`tc qdisc replace`), so one set of processes can be measured at several rates.
+
+`inbound=False` emulates a router that refuses unsolicited connections: TCP segments with SYN and
+without ACK headed for the host are dropped at its bridge port (a `u32` filter steering them to a
+zero-length fifo; this kernel has no drop action), so the host can dial out and use what it
+dialed, but nobody can dial it; a dial to it times out, as it would through a NAT. (hivemind
+speaks TCP only here, so UDP is left alone.)
 
 Namespaces are named `<prefix>-hub` and `<prefix>-h<i>`; the prefix defaults to one per process,
 so two labs never collide. `close()` (or leaving the `with`) deletes every namespace, which kills
@@ -73,6 +76,24 @@ def _tbf(mbit: float) -> list[str]:
     HZ=250), so the bucket never caps the rate below what it says; 50 ms of queue."""
     burst = max(64 * 1024, int(mbit * 1e6 / 8 * 0.004))
     return ["tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "50ms"]
+
+
+def _tbf_drops(prefix: list[str], dev: str) -> int:
+    """Packets dropped by the tbf qdiscs of `dev` (`tc -s qdisc`; the SYN filter's is not one)."""
+    try:
+        done = subprocess.run(
+            [*prefix, "tc", "-s", "qdisc", "show", "dev", dev],
+            capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NetLabError(f"`tc -s qdisc show dev {dev}` failed: {e}") from None
+    total, in_tbf = 0, False
+    for line in done.stdout.splitlines():
+        if line.startswith("qdisc "):
+            in_tbf = line.split()[1] == "tbf"
+        elif in_tbf and (found := re.search(r"\(dropped (\d+),", line)):
+            total += int(found.group(1))
+    return total
 
 
 @dataclass(frozen=True)
@@ -189,6 +210,19 @@ class NetLab:
         new = Host(old.netns, old.ip, up, down, old.inbound)
         self.hosts[index] = new
         return new
+
+    def drops(self, host: Host) -> tuple[int, int]:
+        """Packets the shaping of `host`'s link has dropped, (upload, download): its token
+        buckets' queues overflowed (TCP then retransmits and backs off). Counted since that
+        direction was last shaped from unshaped (`reshape` to a new rate keeps the count), so
+        diff two readings."""
+        index = next((i for i, h in enumerate(self.hosts) if h.netns == host.netns), None)
+        if index is None:
+            raise NetLabError(f"{host.netns} is not a host of this lab")
+        return (
+            _tbf_drops(["ip", "netns", "exec", host.netns], "eth0"),
+            _tbf_drops(["ip", "netns", "exec", self.hub], f"v{index + 1}"),
+        )
 
     def _shape_port(self, port: str, down: float | None, inbound: bool) -> None:
         tc = ["ip", "netns", "exec", self.hub, "tc"]

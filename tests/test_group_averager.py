@@ -38,6 +38,7 @@ from diloco_peer.averaging.allreduce import (
     PartExchange,
     _Round,
     all_reduce_in_memory,
+    chunk_count,
     decode,
     encode,
     key_tag,
@@ -369,6 +370,44 @@ def test_a_client_mode_member_contributes_but_reduces_nothing(trio: list[Peer]) 
     answers = run_round(trio, commands)
     clients = [trio[i].peer_id for i in CLIENTS]
     check_round(trio, answers, seeds, weights, tolerance=1e-6, averager="client", clients=clients)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(120)
+def test_a_long_vector_goes_in_chunks_with_the_same_bits(trio: list[Peer]) -> None:
+    """A vector of 2.2M values goes as 2 pipelined chunks (allreduce.chunk_count): every
+    member gets the same bits, the in-memory all-reduce (which chunks the same way) too, and
+    the peer in client mode still reduces nothing (it sends all it has, in more streams)."""
+    shapes = [[2_200_000], [7]]
+    numel = sum(math.prod(shape) for shape in shapes)
+    assert chunk_count(numel) == 2
+    seeds, weights = [61, 62, 63], [1.0, 2.0, 1.0]
+    for averager, codec in (("fp32", "none"), ("int8", "int8"), ("client", "none")):
+        commands = [
+            average_command(f"long_{averager}", s, w, averager=averager, shapes=shapes)
+            for s, w in zip(seeds, weights, strict=True)
+        ]
+        answers = run_round(trio, commands)
+        assert all(a["ok"] for a in answers), answers
+        assert len({a["sha256"] for a in answers}) == 1, averager
+        inputs = {}
+        for peer, seed in zip(trio, seeds, strict=True):
+            generator = torch.Generator().manual_seed(seed)
+            flat = torch.cat([torch.randn(sh, generator=generator).reshape(-1) for sh in shapes])
+            inputs[peer.peer_id] = flat * SCALE
+        order = sorted(inputs)
+        by_id = dict(zip((p.peer_id for p in trio), weights, strict=True))
+        clients = [trio[i].peer_id for i in CLIENTS] if averager == "client" else []
+        expected = all_reduce_in_memory(
+            [inputs[m] for m in order], [by_id[m] for m in order], codec,
+            num_parts=len(order) - len(clients),
+        )  # fmt: skip
+        result = load_file(answers[0]["path"])
+        got = torch.cat([result[str(i)].reshape(-1) for i in range(len(shapes))])
+        assert torch.equal(got, expected), averager
+        if clients:  # the client sent every part of both chunks and reduced none
+            client = answers[CLIENTS[0]]
+            assert abs(client["bytes_sent"] - 4 * numel) < 0.001 * 4 * numel, client
 
 
 @pytest.mark.multipeer

@@ -25,8 +25,13 @@ the sender of undecodable bytes a refusal. A part that never arrives whole (a br
 timeout, a frame longer than the part's encoding, refused unread) still fails the round, as a
 crashed member does; so does a part from which every member is excluded.
 
-Wire protocol, one libp2p stream per (sender, part) on the handler `<prefix>-part`, each message
-framed as hivemind's `P2P.send_raw_data` does (8-byte big-endian length, then the payload):
+A long vector goes in chunks (`chunk_count`), each chunk a sub-round of its own with the steps
+above and its own digest, all at once: reducer j reduces part j of every chunk and answers each
+as soon as that chunk's parts are in, so averages flow back while later chunks still come in.
+
+Wire protocol, one libp2p stream per (sender, chunk, part) on the handler `<prefix>-part`, each
+message framed as hivemind's `P2P.send_raw_data` does (8-byte big-endian length, then the
+payload):
 
     sender  -> reducer : _PART_HEADER (fixed struct, below)
     sender  -> reducer : the part, `numel` values encoded by compression.py's codec (fp32, fp16,
@@ -99,7 +104,7 @@ logger = logging.getLogger(__name__)
 # the round yet knows how long to wait)
 _PART_HEADER = struct.Struct("<4sB32s8sIBdQd")
 _MAGIC = b"DLCP"
-_PROTOCOL_VERSION = 2  # 2: answers carry exclusions
+_PROTOCOL_VERSION = 3  # 2: answers carry exclusions; 3: chunks and client-mode members
 
 _ANSWER_LINGER_S = 10.0
 """How long a reducer waits for a member to close an answered stream before closing it."""
@@ -119,6 +124,24 @@ _OK, _ERROR = b"OK", b"ER"
 _P2P_ERRORS = (*STREAM_ERRORS, ValueError)
 """What a broken, refused or timed-out stream raises (ConnectionError is an OSError,
 IncompleteReadError an EOFError); each becomes AllReduceFailed."""
+
+
+CHUNK_VALUES = 1 << 20
+"""A vector is pipelined in chunks of at least this many values (4 MiB of fp32)."""
+MAX_CHUNKS = 8
+
+
+def chunk_count(numel: int) -> int:
+    """How many chunks a round of `numel` values goes in (every member derives the same).
+
+    One part message per reducer means two phases: every part in, then every average out, each
+    one stream per peer pair, and an emulated 100 Mbit link carried about 0.6 of its rate (bench/
+    wan.py). With chunks, a reducer sends a chunk's averages while the next chunks' parts are
+    still coming in, and each peer pair has one stream per chunk in flight. Each chunk is
+    screened and aggregated on its own (robust.py); a member's declared norm bounds every
+    chunk of its vector too. Vectors under 2 × CHUNK_VALUES go in one chunk, as before.
+    """
+    return max(1, min(MAX_CHUNKS, numel // CHUNK_VALUES))
 
 
 def part_sizes(numel: int, num_parts: int) -> list[int]:
@@ -170,18 +193,23 @@ def all_reduce_in_memory_detailed(
     num_parts = len(contributions) if num_parts is None else num_parts
     if not 1 <= num_parts <= len(contributions):
         raise ValueError(f"num_parts must be in [1, {len(contributions)}], got {num_parts}")
-    split = [torch.tensor_split(c, num_parts) for c in contributions]
-    averaged, by_part = [], {}
-    for j, size in enumerate(part_sizes(numel, num_parts)):
-        received = [decode(encode(parts[j], compression), size, compression) for parts in split]
-        try:
-            answer, _ = answer_part(received, weights, bounds, aggregation, compression, size)
-            by_part[j], average = unpack_answer(
-                answer, bounds, aggregation, compression, members=len(split), numel=size
-            )
-        except AllReduceFailed as e:
-            raise AllReduceFailed(f"part {j}: {e}") from None
-        averaged.append(average)
+    averaged: list[Tensor] = []
+    by_part: dict[int, dict[int, Reason]] = {}
+    chunked = [torch.tensor_split(c, chunk_count(numel)) for c in contributions]
+    for chunks in zip(*chunked, strict=True):
+        split = [torch.tensor_split(chunk, num_parts) for chunk in chunks]
+        for j, size in enumerate(part_sizes(chunks[0].numel(), num_parts)):
+            received = [decode(encode(parts[j], compression), size, compression) for parts in split]
+            try:
+                answer, _ = answer_part(received, weights, bounds, aggregation, compression, size)
+                claims, average = unpack_answer(
+                    answer, bounds, aggregation, compression, members=len(split), numel=size
+                )
+            except AllReduceFailed as e:
+                raise AllReduceFailed(f"part {j}: {e}") from None
+            for member, reason in claims.items():
+                by_part.setdefault(j, {}).setdefault(member, reason)
+            averaged.append(average)
     return torch.cat(averaged), describe_exclusions(by_part)
 
 
@@ -446,77 +474,107 @@ class PartExchange:
         member agreed on at matchmaking; a member whose view differs sends parts no reducer
         accepts, or checks answers differently. `bounds[i]` is member i's declared L2 norm of
         its whole `flat`, or any larger number such as its δ's norm before pruning (None: not
-        checked); the caller validates them (ValueError for a negative or NaN one). Raises AllReduceFailed if any
-        part fails or the round outlives `allreduce_timeout_s`. The result counts the bytes of
-        this round's part streams only (see the module docstring).
+        checked); the caller validates them (ValueError for a negative or NaN one). Raises
+        AllReduceFailed if any part fails or the round outlives `allreduce_timeout_s`. The
+        result counts the bytes of this round's part streams only (see the module docstring).
+
+        A long vector goes as `chunk_count(numel)` chunks, each a sub-round of its own (digest
+        sha256(digest + chunk index)), all at once: a reducer answers a chunk's part as soon
+        as that chunk is in, while the members still send the next chunks (see chunk_count).
         """
         check_bounds(bounds, len(members))
-        rnd = _Round(
-            key=key,
-            digest=digest,
-            members=members,
-            me=self._me,
-            weights=weights,
-            compression=self._compression,
-            numel=flat.numel(),
-            timeout_s=allreduce_timeout_s,
-            aggregation=self._aggregation,
-            bounds=bounds,
-            reducers=reducers,
-        )
-        self._rounds[digest] = rnd
-        self._pending_keys.pop(digest, None)
-        started = self._round_started.pop(digest, None)
-        if started is not None:
-            started.set()  # parts that came before the round started here
+        chunks = torch.tensor_split(flat, chunk_count(flat.numel()))
+        rounds = []
+        for c, chunk in enumerate(chunks):
+            sub_digest = (
+                digest
+                if len(chunks) == 1
+                else hashlib.sha256(digest + c.to_bytes(4, "big")).digest()
+            )
+            rnd = _Round(
+                key=key,
+                digest=sub_digest,
+                members=members,
+                me=self._me,
+                weights=weights,
+                compression=self._compression,
+                numel=chunk.numel(),
+                timeout_s=allreduce_timeout_s,
+                aggregation=self._aggregation,
+                bounds=bounds,
+                reducers=reducers,
+            )
+            rounds.append(rnd)
+        for rnd in rounds:  # every sub-round is known before the key closes (close_key)
+            self._rounds[rnd.digest] = rnd
+            self._pending_keys.pop(rnd.digest, None)
+            started = self._round_started.pop(rnd.digest, None)
+            if started is not None:
+                started.set()  # parts that came before the round started here
         self.close_key(key)
-        parts = torch.tensor_split(flat, len(rnd.reducers))
-        sends: list[asyncio.Task[tuple[dict[int, Reason], Tensor]]] = []
+        sends: list[tuple[_Round, int, asyncio.Task[tuple[dict[int, Reason], Tensor]]]] = []
         try:
-            for j, reducer in enumerate(rnd.reducers):
-                if reducer == self._me:
-                    # my own part of my own contribution: through the same encode/decode path
-                    mine = decode(
-                        encode(parts[j], self._compression), rnd.sizes[j], self._compression
-                    )
-                    rnd.claimed.add(reducer)
-                    rnd.deliver(reducer, mine)
-                    sends.append(asyncio.ensure_future(self._own_result(rnd)))
-                else:
-                    sends.append(asyncio.ensure_future(self._send_part(rnd, j, parts[j])))
-                # a task cancelled as its wait_for completes may still end with an exception
-                sends[-1].add_done_callback(_consume)
+            for rnd, chunk in zip(rounds, chunks, strict=True):
+                parts = torch.tensor_split(chunk, len(rnd.reducers))
+                for j, reducer in enumerate(rnd.reducers):
+                    if reducer == self._me:
+                        # my own part of my own contribution: the same encode/decode path
+                        mine = decode(
+                            encode(parts[j], self._compression), rnd.sizes[j], self._compression
+                        )
+                        rnd.claimed.add(reducer)
+                        rnd.deliver(reducer, mine)
+                        task = asyncio.ensure_future(self._own_result(rnd))
+                    else:
+                        task = asyncio.ensure_future(self._send_part(rnd, j, parts[j]))
+                    # a task cancelled as its wait_for completes may still end with an exception
+                    task.add_done_callback(_consume)
+                    sends.append((rnd, j, task))
             done, pending = await asyncio.wait(
-                sends, timeout=rnd.remaining_s(), return_when=asyncio.FIRST_EXCEPTION
+                [task for _, _, task in sends],
+                timeout=rounds[0].remaining_s(),
+                return_when=asyncio.FIRST_EXCEPTION,
             )
             for task in done:
                 if task.exception() is not None:
-                    raise AllReduceFailed(f"{rnd.tag} {task.exception()}")
+                    raise AllReduceFailed(f"{rounds[0].tag} {task.exception()}")
             if pending:
-                late = [
-                    f"{j} ({_short(rnd.reducers[j])})" for j, t in enumerate(sends) if t in pending
-                ]
-                raise AllReduceFailed(
-                    f"{rnd.tag} timed out after {allreduce_timeout_s} s; no average yet of parts {late}"
+                late = sorted(
+                    {f"{j} ({_short(rnd.reducers[j])})" for rnd, j, t in sends if t in pending}
                 )
-            answers = [task.result() for task in sends]
-            bytes_sent, bytes_received = await rnd.traffic(max(rnd.remaining_s(), 1.0))
+                raise AllReduceFailed(
+                    f"{rounds[0].tag} timed out after {allreduce_timeout_s} s; no average yet "
+                    f"of parts {late}"
+                )
+            bytes_sent = bytes_received = 0
+            for rnd in rounds:
+                sent, received = await rnd.traffic(max(rnd.remaining_s(), 1.0))
+                bytes_sent, bytes_received = bytes_sent + sent, bytes_received + received
         except BaseException as e:
-            rnd.fail(f"round aborted on its reducer: {e}")
+            for rnd in rounds:
+                rnd.fail(f"round aborted on its reducer: {e}")
             raise
         finally:
-            for task in sends:
+            for _, _, task in sends:
                 task.cancel()
             loop = asyncio.get_running_loop()
-            loop.call_later(_CLOSED_ROUND_RETAIN_S, self._forget, digest)
-        described = describe_exclusions({j: reasons for j, (reasons, _) in enumerate(answers)})
+            for rnd in rounds:
+                loop.call_later(_CLOSED_ROUND_RETAIN_S, self._forget, rnd.digest)
+        # part j of every chunk has the same reducer: its claims are merged, so that the
+        # accusations count reducers (as without chunks), not chunks
+        by_reducer: dict[int, dict[int, Reason]] = {}
+        for _, j, task in sends:
+            for member, reason in task.result()[0].items():
+                by_reducer.setdefault(j, {}).setdefault(member, reason)
+        described = describe_exclusions(by_reducer)
+        members = rounds[0].members
         return AllReduceResult(
-            average=torch.cat([average for _, average in answers]),
+            average=torch.cat([task.result()[1] for _, _, task in sends]),
             bytes_sent=bytes_sent,
             bytes_received=bytes_received,
-            excluded={rnd.members[i]: why for i, why in described.items()},
+            excluded={members[i]: why for i, why in described.items()},
             accusations={
-                rnd.members[i]: sum(i in reasons for reasons, _ in answers) for i in described
+                members[i]: sum(i in claims for claims in by_reducer.values()) for i in described
             },
         )
 
