@@ -85,6 +85,8 @@ HEAD_TTL_S = 60.0
 """A head older than this is a peer that left; heartbeats refresh it every HEAD_TTL_S / 4."""
 DHT_TIMEOUT_S = 10.0
 STATE_TIMEOUT_S = 120.0
+SETTLE_MAX_S = 60.0
+"""At the run's end, how long a peer waits at most for peers still in a phase (`_settle`)."""
 REACHABILITY_TIMEOUT_S = 10.0
 """A joiner's dial-back probe (reachability.py): at most this long before it trains."""
 CHECKPOINT_FORMAT = "diloco-peer/peer-checkpoint-v2"
@@ -1351,12 +1353,29 @@ class SwarmPeer:
         )
         if self._stop.is_set() or not swarm_end:
             return
-        deadline = time.time() + max(
-            3.0, 2 * self.swarm.grace_s if self.swarm.protocol == "async" else 0
-        )
-        while time.time() < deadline and not self._stop.is_set():
+        asynchronous = self.swarm.protocol == "async"
+        start = time.time()
+        deadline = start + max(3.0, 2 * self.swarm.grace_s if asynchronous else 0)
+        while not self._stop.is_set():
             self.catch_up()
+            now = time.time()
+            # Async: a peer still in a phase (or a group) at our version or below will commit
+            # a version of its own; leaving before it does would leave it on another branch
+            # (seen: two pairs ended on two different last versions). Stay until it is done.
+            if asynchronous and self._still_working():
+                deadline = max(deadline, min(start + SETTLE_MAX_S, now + self.swarm.grace_s))
+            if now >= deadline:
+                return
             self._stop.wait(0.5)
+
+    def _still_working(self) -> bool:
+        """Another live peer at our version or below is training a phase or in a group."""
+        return any(
+            p != self.peer_id
+            and h.version <= self.state.version
+            and (h.in_group or h.eta is not None)  # a peer's commit republishes eta None
+            for p, h in self._live_heads().items()
+        )
 
     def _pause(self) -> None:
         """Leave (others drop our head at once, so nobody waits for us), wait, come back."""
