@@ -57,7 +57,8 @@ def _dial(host_argv: list[str], ip: str, port: int) -> subprocess.CompletedProce
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", [pytest.param("flag", marks=pytest.mark.slow), "auto"])
+@pytest.mark.slow  # 25-30 s each; the default suite is near its 15 minutes
+@pytest.mark.parametrize("mode", ["flag", "auto"])
 def test_a_dial_out_only_peer_contributes_to_the_rounds(tmp_path: Path, mode: str) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     with NetLab() as lab:

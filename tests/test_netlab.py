@@ -52,6 +52,7 @@ def transfer_mbit(src: Host, dst: Host, nbytes: int, *, dst_dials: bool = False)
     return nbytes * 8 / 1e6 / float(seconds)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_rates_follow_the_shaping_and_reshape_changes_them() -> None:
     with NetLab(prefix="dptest") as lab:

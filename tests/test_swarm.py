@@ -123,7 +123,7 @@ def test_demo_three_peers_agree_and_improve() -> None:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("protocol", ["sync", "async"])
 def test_late_joiner_downloads_verified_state_then_agrees(swarm: Swarm, protocol: str) -> None:
-    a, log_a = swarm.start("a", *NANO, "--protocol", protocol, "--max-rounds", "6")
+    a, log_a = swarm.start("a", *NANO, "--protocol", protocol, "--max-rounds", "15")
     start = swarm.wait_event(log_a, "start", 90)
     swarm.wait_event(log_a, "round", 90, version=2)  # a alone: Lookahead rounds
     b, log_b = swarm.start("b", "--swarm", start["maddrs"][0], "--max-rounds", "3")
@@ -232,7 +232,7 @@ ASYNC_FAST_RUN = FAST_RUN.replace("[swarm]", 'outer_optimizer = "delayed-nestero
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("protocol", ["sync", "async"])
+@pytest.mark.parametrize("protocol", [pytest.param("sync", marks=pytest.mark.slow), "async"])
 def test_killed_peers_cost_survivors_at_most_a_timed_out_round(
     swarm: Swarm, tmp_path: Path, protocol: str
 ) -> None:

@@ -129,6 +129,8 @@ _HANDLER_TIMEOUT_S = 10.0
 """Registering or removing the handler with the local p2p daemon."""
 _SHUTDOWN_GRACE_S = 3.0
 """How long shutdown lets uploads in progress go on before cancelling them."""
+_ANSWER_LINGER_S = 10.0
+"""How long a donor keeps an answered stream open for the requester to close it (`_linger`)."""
 _CALL_SLACK_S = 5.0
 """Backstop on top of a download's own timeout, for the calling thread's wait on the loop."""
 _CANCEL_GRACE_S = 1.0
@@ -326,6 +328,7 @@ class StateServer:
                 await asyncio.wait_for(
                     P2P.send_raw_data(_ERROR + reason, writer), _REQUEST_TIMEOUT_S
                 )
+                await _linger(reader)
                 return
             hashed = answer.hash.encode()
             header = _OK + _HEADER.pack(answer.version, len(answer.data), len(hashed)) + hashed
@@ -336,6 +339,7 @@ class StateServer:
             for offset in range(0, len(view), CHUNK_BYTES):
                 chunk = view[offset : offset + CHUNK_BYTES]
                 await asyncio.wait_for(P2P.send_raw_data(chunk, writer), _CHUNK_SEND_TIMEOUT_S)
+            await _linger(reader)
             logger.log(
                 logging.INFO if answer.end is None else logging.DEBUG,  # ranges: many per join
                 "%s sent %s (%d bytes) to %s in %.2f s",
@@ -441,6 +445,17 @@ class StateServer:
             logger.error("updates(%d) returned the update from %d", base_version, version)
             raise _Refusal(f"{failed} (wrong record)")
         return _Answer(f"update {version}->{version + 1}", version, result_hash, data)
+
+
+async def _linger(reader: asyncio.StreamReader) -> None:
+    """Close a served stream only once the requester has read the answer and closed its end (or
+    after _ANSWER_LINGER_S): closing right after the last write sometimes cut the answer off on
+    the requester's side under load (IncompleteReadError with 0 bytes read, seen in CI), as it
+    did for the all-reduce's answers."""
+    try:
+        await asyncio.wait_for(reader.read(1), _ANSWER_LINGER_S)
+    except (asyncio.TimeoutError, *_P2P_ERRORS):
+        pass
 
 
 async def _read_request(reader: asyncio.StreamReader, max_bytes: int, discard_bytes: int) -> bytes:
