@@ -60,6 +60,8 @@ STREAM_ERRORS: tuple[type[BaseException], ...] = (
 )
 """What a broken, refused or timed-out stream raises (ConnectionError is an OSError,
 IncompleteReadError an EOFError)."""
+HANDLER_CALL_TIMEOUT_S = 10.0
+"""Registering or removing a stream handler with the local p2p daemon."""
 
 
 async def read_frame(
@@ -71,6 +73,65 @@ async def read_frame(
     if length > max_bytes:
         raise error(f"frame of {length} bytes, at most {max_bytes} expected")
     return await reader.readexactly(length)
+
+
+class HandlerServer:
+    """One binary stream handler of a component on a P2PService's replica: `start` registers
+    it (once), `shutdown` removes it (idempotent, safe before start). A subclass names it
+    (`handler_name`), serves streams (`_handle`), and may extend `_unregister` to end the
+    streams it is serving; `_shutdown_s` bounds the whole removal."""
+
+    _shutdown_s: float = 2 * HANDLER_CALL_TIMEOUT_S
+
+    def __init__(self, service: P2PService) -> None:
+        self._service = service
+        self._lifecycle = threading.Lock()
+        self._started = self._stopped = False
+
+    @property
+    def handler_name(self) -> str:
+        raise NotImplementedError
+
+    async def _handle(
+        self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Register the handler; from now on, peers' streams reach `_handle`."""
+        with self._lifecycle:
+            if self._started or self._stopped:
+                raise RuntimeError(f"a {type(self).__name__} can be started once")
+            self._started = True
+        self._service.run(self._register(), 2 * HANDLER_CALL_TIMEOUT_S)
+
+    def shutdown(self) -> None:
+        """Stop serving. Idempotent; safe before start()."""
+        with self._lifecycle:
+            if self._stopped:
+                return
+            self._stopped = True
+        if not self._started or not self._service.is_running:
+            return
+        try:
+            self._service.run(self._unregister(), self._shutdown_s)
+        except (TimeoutError, P2PServiceStopped) as e:
+            logger.warning("%s: shutdown incomplete: %r", self.handler_name, e)
+
+    async def _register(self) -> None:
+        p2p = await self._service.ready(HANDLER_CALL_TIMEOUT_S)
+        await asyncio.wait_for(
+            p2p.add_binary_stream_handler(self.handler_name, self._handle), HANDLER_CALL_TIMEOUT_S
+        )
+
+    async def _unregister(self) -> None:
+        try:
+            await asyncio.wait_for(
+                self._service.p2p.remove_binary_stream_handler(self.handler_name),
+                HANDLER_CALL_TIMEOUT_S,
+            )
+        except STREAM_ERRORS as e:
+            logger.debug("removing handler %s failed: %r", self.handler_name, e)
 
 
 def wait_ready(ready: concurrent.futures.Future[Any] | None, timeout_s: float, what: str) -> None:

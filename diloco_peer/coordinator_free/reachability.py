@@ -34,7 +34,6 @@ import asyncio
 import ipaddress
 import logging
 import struct
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -43,8 +42,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from multiaddr import Multiaddr
 
-from diloco_peer.errors import P2PServiceStopped
-from diloco_peer.p2p_service import STREAM_ERRORS, P2PService, read_frame
+from diloco_peer.p2p_service import STREAM_ERRORS, HandlerServer, P2PService, read_frame
 
 logger = logging.getLogger(__name__)
 
@@ -109,53 +107,17 @@ async def dial(ip: str, port: int, timeout_s: float) -> str | None:
     return None
 
 
-class DialBackServer:
+class DialBackServer(HandlerServer):
     """Answers dial-back requests on the service's loop (a peer that accepts connections)."""
 
     def __init__(self, service: P2PService, prefix: str) -> None:
-        self._service, self._prefix = service, prefix
+        super().__init__(service)
+        self._prefix = prefix
         self._dialing = 0  # loop thread only
-        self._lifecycle = threading.Lock()
-        self._started = self._stopped = False
 
     @property
     def handler_name(self) -> str:
         return _handler_name(self._prefix)
-
-    def start(self) -> None:
-        with self._lifecycle:
-            if self._started or self._stopped:
-                raise RuntimeError("a DialBackServer can be started once")
-            self._started = True
-        self._service.run(self._register(), _HANDLER_TIMEOUT_S + _CALL_SLACK_S)
-
-    def shutdown(self) -> None:
-        """Stop answering (idempotent; safe before start)."""
-        with self._lifecycle:
-            if self._stopped:
-                return
-            self._stopped = True
-        if not self._started or not self._service.is_running:
-            return
-        try:
-            self._service.run(self._unregister(), _HANDLER_TIMEOUT_S + _CALL_SLACK_S)
-        except (TimeoutError, P2PServiceStopped) as e:
-            logger.debug("DialBackServer: shutdown incomplete: %r", e)
-
-    async def _register(self) -> None:
-        p2p = await self._service.ready(_HANDLER_TIMEOUT_S)
-        await asyncio.wait_for(
-            p2p.add_binary_stream_handler(self.handler_name, self._handle), _HANDLER_TIMEOUT_S
-        )
-
-    async def _unregister(self) -> None:
-        try:
-            await asyncio.wait_for(
-                self._service.p2p.remove_binary_stream_handler(self.handler_name),
-                _HANDLER_TIMEOUT_S,
-            )
-        except STREAM_ERRORS as e:
-            logger.debug("removing handler %s failed: %r", self.handler_name, e)
 
     async def _handle(
         self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

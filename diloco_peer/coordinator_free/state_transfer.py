@@ -79,7 +79,6 @@ import logging
 import math
 import re
 import struct
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -90,7 +89,13 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from diloco_peer.coordinator_free.update_log import peek_update
 from diloco_peer.errors import StateTransferFailed
-from diloco_peer.p2p_service import STREAM_ERRORS, P2PService, P2PServiceStopped, read_frame
+from diloco_peer.p2p_service import (
+    STREAM_ERRORS,
+    HandlerServer,
+    P2PService,
+    P2PServiceStopped,
+    read_frame,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +213,7 @@ class _Answer:
     """The part of `data` sent after the header: `data[start:end]` (a ranged request)."""
 
 
-class StateServer:
+class StateServer(HandlerServer):
     """Serves this peer's current state to peers that download it, on the service's loop.
 
     :param service: this process's P2PService (ready before `start`); shut the server down
@@ -243,12 +248,11 @@ class StateServer:
             raise ValueError("updates must be a callable or None")
         if isinstance(max_uploads, bool) or not isinstance(max_uploads, int) or max_uploads < 1:
             raise ValueError(f"max_uploads must be an integer >= 1, got {max_uploads!r}")
-        self._service, self._provide, self._allow = service, provide, allow
+        super().__init__(service)
+        self._provide, self._allow = provide, allow
         self._updates = updates
         self._max_uploads = max_uploads
         self._serving: set[asyncio.Task[None]] = set()  # loop thread only
-        self._lifecycle = threading.Lock()
-        self._started = self._stopped = False
 
     _max_request_bytes: ClassVar[int] = _MAX_REQUEST_BYTES
     """The longest request frame read. Builds before ranged requests read at most
@@ -266,43 +270,16 @@ class StateServer:
     def handler_name(self) -> str:
         return _handler_name(self._run)
 
+    _shutdown_s = _HANDLER_TIMEOUT_S + _SHUTDOWN_GRACE_S + 1.0
+    """Removing the handler, then letting uploads end for a moment before cancelling them."""
+
     def start(self) -> None:
         """Register the handler; from now on, peers may download the state `provide` returns."""
-        with self._lifecycle:
-            if self._started or self._stopped:
-                raise RuntimeError("a StateServer can be started once")
-            self._started = True
-        self._service.run(self._register(), _HANDLER_TIMEOUT_S + _CALL_SLACK_S)
+        super().start()
         logger.info("[%s] serving state as %s", self._service.peer_id[-6:], self.handler_name)
 
-    def shutdown(self) -> None:
-        """Stop serving: remove the handler, let uploads end for a moment, cancel the rest.
-        Idempotent; safe before start()."""
-        with self._lifecycle:
-            if self._stopped:
-                return
-            self._stopped = True
-        if not self._started or not self._service.is_running:
-            return
-        try:
-            self._service.run(self._unregister(), _HANDLER_TIMEOUT_S + _SHUTDOWN_GRACE_S + 1.0)
-        except (TimeoutError, P2PServiceStopped) as e:
-            logger.warning("StateServer %s: shutdown incomplete: %r", self._run, e)
-
-    async def _register(self) -> None:
-        p2p = await self._service.ready(_HANDLER_TIMEOUT_S)
-        await asyncio.wait_for(
-            p2p.add_binary_stream_handler(self.handler_name, self._handle), _HANDLER_TIMEOUT_S
-        )
-
     async def _unregister(self) -> None:
-        try:
-            await asyncio.wait_for(
-                self._service.p2p.remove_binary_stream_handler(self.handler_name),
-                _HANDLER_TIMEOUT_S,
-            )
-        except _P2P_ERRORS as e:
-            logger.debug("removing handler %s failed: %r", self.handler_name, e)
+        await super()._unregister()
         if self._serving:
             _, late = await asyncio.wait(set(self._serving), timeout=_SHUTDOWN_GRACE_S)
             for task in late:
