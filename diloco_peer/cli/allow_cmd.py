@@ -20,9 +20,13 @@ def _keys_of(arg: str) -> list[bytes]:
 
     path = Path(arg)
     shown = arg if len(arg) <= 48 else arg[:45] + "..."
-    if path.is_dir():
+    try:  # a key's text can make a path component too long to stat (ENAMETOOLONG)
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError:
+        is_dir = is_file = False
+    if is_dir:
         raise ConfigError(f"{arg} is a folder, not a public key file")
-    if not path.is_file():
+    if not is_file:
         try:
             return [parse_public_key(arg)]
         except IdentityError as e:
