@@ -5,13 +5,14 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 import pytest
 
 from diloco_peer.coordinator_free.dylu import SpeedMeter, dylu_steps
-from diloco_peer.coordinator_free.sampler import ShardSampler, shard_probabilities
+from diloco_peer.coordinator_free.sampler import ShardSampler, fill_shards, shard_probabilities
 from diloco_peer.errors import ConfigError
 
 # Seconds per inner step of the four devices at heterogeneity level "very" (ALGORITHMS §2.8).
@@ -147,6 +148,70 @@ def test_shard_probabilities(sizes: list[int], counts: list[int], expected: list
 def test_shard_probabilities_rejects_bad_input(sizes: list[int], counts: list[int]) -> None:
     with pytest.raises(ConfigError):
         shard_probabilities(sizes, counts)
+
+
+def test_fill_shards_fills_the_furthest_behind_first() -> None:
+    rng = random.Random(0)
+    # 8 equal shards, three already ahead: the phase goes only to the five behind, evenly.
+    assert fill_shards([10] * 8, [3200, 1600, 1600, 0, 0, 0, 0, 0], 50, 16, rng) == [
+        0, 0, 0, 10, 10, 10, 10, 10
+    ]  # fmt: skip
+    # Balanced counts: the phase is spread over every shard, within one step.
+    plan = fill_shards([10] * 8, [160] * 8, 50, 16, rng)
+    assert sum(plan) == 50 and max(plan) - min(plan) == 1
+    # Unequal shards get steps in proportion to their size.
+    assert fill_shards([3, 1], [0, 0], 40, 1, rng) == [30, 10]
+    assert fill_shards([1, 1], [0, 0], 0, 16, rng) == [0, 0]
+
+
+def test_fill_shards_keeps_a_long_run_within_one_step_of_every_share() -> None:
+    # Phases of DyLU sizes (50, 38, 19, 8 steps, ALGORITHMS 2.8 "very") one after another, on
+    # shards of unequal size: after every phase each shard is within one step of its share.
+    sizes, batch, rng = [700, 500, 500, 300, 300, 300, 200, 100], 16, random.Random(3)
+    counts = [0] * len(sizes)
+    for phase in [50, 38, 19, 8] * 25:
+        plan = fill_shards(sizes, counts, phase, batch, rng)
+        counts = [c + n * batch for c, n in zip(counts, plan, strict=True)]
+        total = sum(counts)
+        for d, c in zip(sizes, counts, strict=True):
+            assert abs(c - total * d / sum(sizes)) <= batch
+    assert sum(counts) == 2875 * batch
+
+
+def test_concurrent_planners_share_one_fill_instead_of_each_correcting_in_full() -> None:
+    # A sync round: 4 peers plan H = 50 steps each from the same counts, none seeing the
+    # others. Each correcting the whole shortfall overshoots it 4-fold, round after round;
+    # each taking its quarter of the round's fill keeps every shard near its share.
+    sizes, batch = [10] * 8, 16
+
+    def worst(others: int) -> float:  # the largest relative deviation after rounds 3 to 10
+        counts, out = [0] * 8, 0.0
+        for r in range(10):
+            plans = [fill_shards(sizes, counts, 50, batch, random.Random(f"{p}/{r}"), others)
+                     for p in range(4)]  # fmt: skip
+            counts = [c + batch * sum(p[i] for p in plans) for i, c in enumerate(counts)]
+            if r >= 2:
+                out = max(out, *(abs(c / (sum(counts) / 8) - 1) for c in counts))
+        return out
+
+    assert worst(others=150) <= 0.03
+    assert worst(others=0) > 0.2
+
+
+def test_fill_shards_breaks_ties_by_the_generator() -> None:
+    plans = {tuple(fill_shards([1] * 8, [0] * 8, 3, 16, random.Random(s))) for s in range(20)}
+    assert len(plans) > 1 and all(sum(p) == 3 and max(p) == 1 for p in plans)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [([1, 1], [0, 0], -1, 16), ([1, 1], [0, 0], 2, 0), ([1, 1], [0], 2, 16), ([], [], 2, 16)],
+)
+def test_fill_shards_rejects_bad_input(args: tuple[list[int], list[int], int, int]) -> None:
+    with pytest.raises(ConfigError):
+        fill_shards(*args, random.Random(0))
+    with pytest.raises(ConfigError, match="others"):
+        fill_shards([1, 1], [0, 0], 2, 16, random.Random(0), others=-1)
 
 
 def test_sampler_never_picks_shards_ahead_of_their_share() -> None:

@@ -34,6 +34,7 @@ from diloco_peer.coordinator_free.manifest import (
     load_run_config,
 )
 from diloco_peer.coordinator_free.records import (
+    MAX_PLAN_SHARDS,
     PeerHead,
     RecordError,
     SwarmTimeout,
@@ -391,6 +392,10 @@ def test_peer_head_normalizes_and_round_trips(owner: Identity) -> None:
     assert isinstance(head.speed, float) and isinstance(head.loss, float)
     assert isinstance(head.samples_per_s, float) and head.updated > 0
     assert PeerHead.from_record(head.to_record()) == head
+    planned = PeerHead(
+        peer_id=owner.peer_id_str, version=3, state_hash=HASH_A, eta=5.0, plan={"0": 96, "7": 16}
+    )
+    assert PeerHead.from_record(planned.to_record()) == planned
 
 
 @pytest.mark.parametrize(
@@ -412,6 +417,13 @@ def test_peer_head_normalizes_and_round_trips(owner: Identity) -> None:
         {"loss": math.nan},
         {"updated": -5.0},
         {"in_group": 1},
+        {"plan": {"-1": 16}},
+        {"plan": {"01": 16}},
+        {"plan": {"1": 0}},
+        {"plan": {"1": -16}},
+        {"plan": {"1": 16.0}},
+        {"plan": {1: 16}},
+        {"plan": {str(i): 16 for i in range(MAX_PLAN_SHARDS + 1)}},
     ],
 )
 def test_peer_head_refuses_bad_fields(owner: Identity, change: dict[str, Any]) -> None:

@@ -148,6 +148,12 @@ def test_async_swarm_updates_are_the_engines_delayed_nesterov(
         assert state.hash() == r.result_hash, r.base_version
     assert restarts <= 2, restarts
     stop_a = next(e for e in logs[0] if e["event"] == "stop")
+    # Shard filling (ALGORITHMS 2.5 made exact): each of the 4 equal shards holds its quarter
+    # of the samples within 2 steps of 16 (one draw per phase put whole phases of up to 12
+    # steps on one shard).
+    counts = stop_a["shard_samples"]
+    assert len(counts) == 4 and sum(counts) >= 100 * 16, counts
+    assert max(abs(n - sum(counts) / 4) for n in counts) <= 2 * 16, counts
     if records[-1].base_version + 1 == stop_a["version"]:
         assert state.hash() == stop_a["state_hash"]
 

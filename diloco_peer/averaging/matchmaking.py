@@ -59,6 +59,9 @@ HANDLER_TIMEOUT_S = 10.0
 """Registering or removing a handler with the local p2p daemon."""
 _CLIENT_EXTRA_S = 5.0
 """A client-mode follower waits this much longer than a leader would: see _FollowerMatchmaking."""
+_JOIN_LINGER_S = 5.0
+"""How long a leader keeps a join stream open after its last message, for the follower to
+close it (`_JoinServicer`)."""
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,15 @@ class _JoinServicer(ServicerBase):
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         if self.matchmaking is None:
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
-            return
-        async for message in self.matchmaking.rpc_join_group(request, context):
-            yield message
+        else:
+            async for message in self.matchmaking.rpc_join_group(request, context):
+                yield message
+        # hivemind closes the stream as soon as this generator ends, and a message written just
+        # before can then be lost (p2pd resets the stream): a follower was seen reading the end
+        # of the stream instead of BEGIN_ALLREDUCE while its leader counted it in the group, so
+        # the round failed for all four. The follower closes its end once it has read the last
+        # message, which ends this wait (hivemind cancels the generator) at once.
+        await asyncio.sleep(_JOIN_LINGER_S)
 
 
 async def _release_waiters(matchmaking: Matchmaking | None) -> None:

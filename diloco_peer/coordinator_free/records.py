@@ -59,6 +59,9 @@ _HEX64_PATTERN = r"^[0-9a-f]{64}\Z"
 _MAX_VERSION = 2**63 - 1  # msgpack carries 64-bit integers
 MAX_BANS = 64
 """Bans a head lists (the most recent); more would only make the record large."""
+MAX_PLAN_SHARDS = 256
+"""Shards a head's phase plan lists (a peer publishes its largest); in-flight counting is a
+hint, and a bound keeps the record small."""
 MAX_BAN_REASON = 200
 
 
@@ -82,8 +85,13 @@ class HeadRecord(pydantic.BaseModel):
     cpu_percent: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
     gpu_mem_mb: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
     eta: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
-    shard: pydantic.conint(strict=True, ge=0, le=1 << 20) | None = None  # type: ignore[valid-type]
-    planned_samples: pydantic.conint(strict=True, ge=0, le=1 << 40) | None = None  # type: ignore[valid-type]
+    plan: (
+        dict[
+            pydantic.constr(strict=True, regex=r"^(0|[1-9][0-9]{0,6})$"),  # type: ignore[valid-type]
+            pydantic.conint(strict=True, ge=1, le=1 << 40),  # type: ignore[valid-type]
+        ]
+        | None
+    ) = None
     bans: (
         dict[
             pydantic.constr(strict=True, regex=_PEER_ID_PATTERN),  # type: ignore[valid-type]
@@ -143,10 +151,9 @@ class PeerHead:
     eta: float | None = None
     """DHT time at which the peer expects its current local phase to end; None when it is not
     training. Async groups wait only for peers expected within the grace period."""
-    shard: int | None = None
-    """The shard the current phase trains on (with `eta`); the sampler counts it as in flight."""
-    planned_samples: int | None = None
-    """Samples the current phase will train."""
+    plan: dict[str, int] | None = None
+    """Samples the current phase will train per shard (shard number as text), with `eta`; the
+    shard filler counts them as in flight."""
     bans: dict[str, str] | None = None
     """Peers this peer currently bans (DESIGN §4), with the reason; `status` shows them."""
     client: bool = False
@@ -172,6 +179,8 @@ class PeerHead:
                     raise RecordError(f"invalid peer head: {name} is out of range") from None
         if self.bans is not None and len(self.bans) > MAX_BANS:
             raise RecordError(f"invalid peer head: more than {MAX_BANS} bans")
+        if self.plan is not None and len(self.plan) > MAX_PLAN_SHARDS:
+            raise RecordError(f"invalid peer head: a plan of more than {MAX_PLAN_SHARDS} shards")
         try:
             HeadRecord.parse_obj(dataclasses.asdict(self))
         except pydantic.ValidationError as e:

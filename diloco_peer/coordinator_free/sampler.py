@@ -7,11 +7,19 @@ If no sample was trained yet or every term is 0 (exactly on target), fall back t
 The terms are computed in integers: `|Dᵢ|/S − nᵢ/N = (|Dᵢ|·N − nᵢ·S) / (S·N)`, so "every term
 is 0" is an exact test (floats would leave 1e-17 residues that put all the mass on one shard),
 and a draw depends on nothing but the integers and the seeded generator, on every peer alike.
+
+`fill_shards` is the same rule made exact for a swarm: instead of one draw putting a whole phase
+on one shard, a phase's steps go to the shards that are furthest behind their share of the
+total after the phase (water-filling Eq. 2's terms). A real run ends at a fixed number of steps,
+and a phase of H steps is a large part of a shard's share at the end (50 steps of 16 samples are
+40% of a shard's 2,000 after 1,000 steps over 8 shards): draws of whole phases leave shares tens of
+percent off, filling keeps every shard within one step of its share.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import random
 from collections.abc import Mapping, Sequence
@@ -53,6 +61,56 @@ def shard_probabilities(sizes: Sequence[int], counts: Sequence[int]) -> list[flo
     weights = _weights(_check_sizes(sizes), counts)
     total = sum(weights)
     return [w / total for w in weights]
+
+
+def fill_shards(
+    sizes: Sequence[int],
+    counts: Sequence[int],
+    steps: int,
+    batch: int,
+    rng: random.Random,
+    others: int = 0,
+) -> list[int]:
+    """Steps per shard for a phase of `steps` steps of `batch` samples, given `counts` samples
+    already trained (or in flight) per shard: the steps go to the shards furthest below their
+    share |Dᵢ|/Σ|D| of the total after the phase (Eq. 2's terms, made exact: water-filling).
+
+    `others` are the steps that peers planning at the same moment, unseen, will add (a sync
+    round's other peers, the other members of the group just committed): the fill is computed
+    for all of them together and this phase takes its part, `steps` of every `steps + others`,
+    so that concurrent planners do not each correct the same shortfall in full. Ties and
+    rounding are broken by `rng`, so peers that plan at the same moment round differently.
+    Raises `ConfigError` on bad sizes or counts, or `steps` or `others` < 0, `batch` < 1.
+    """
+    sizes = _check_sizes(sizes)
+    _weights(sizes, counts)  # validates counts
+    for name, value in (("steps", steps), ("others", others)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"batch must be an integer >= 1, got {batch!r}")
+    total_size, all_steps = sum(sizes), steps + others
+    final = sum(counts) + all_steps * batch
+    # Deficit of shard i at the final total, scaled by Σ|D| to stay in integers.
+    heap = [(-(d * final - n * total_size), rng.random(), i)
+            for i, (d, n) in enumerate(zip(sizes, counts, strict=True))]  # fmt: skip
+    heapq.heapify(heap)
+    fill = [0] * len(sizes)
+    for _ in range(all_steps):
+        deficit, tie, i = heapq.heappop(heap)
+        fill[i] += 1
+        heapq.heappush(heap, (deficit + batch * total_size, tie, i))
+    if others == 0:
+        return fill
+    # This phase's part of the fill, `steps`/`all_steps` of each shard's, rounded to whole
+    # steps by largest remainder (integers: fill[i]·steps = q·all_steps + r).
+    out = [f * steps // all_steps for f in fill]
+    order = sorted(
+        range(len(sizes)), key=lambda i: (fill[i] * steps % all_steps, rng.random()), reverse=True
+    )
+    for i in order[: steps - sum(out)]:
+        out[i] += 1
+    return out
 
 
 class ShardSampler:

@@ -47,7 +47,7 @@ from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.coordinator_free.dylu import dylu_steps
 from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest, SwarmSettings
 from diloco_peer.coordinator_free.reachability import DialBackServer
-from diloco_peer.coordinator_free.sampler import shard_probabilities
+from diloco_peer.coordinator_free.sampler import fill_shards
 from diloco_peer.coordinator_free.state_transfer import (
     StateBlob,
     StateServer,
@@ -86,6 +86,11 @@ HEAD_TTL_S = 60.0
 DHT_TIMEOUT_S = 10.0
 STATE_TIMEOUT_S = 120.0
 SETTLE_MAX_S = 60.0
+ETA_REFRESH_S = 1.0
+"""Async: how often (at most) a training peer re-checks its phase's end and the extension loop
+re-reads the others' (`_refresh_eta`, `_extend_phase`)."""
+ETA_DRIFT_S = 0.5
+"""Async: a phase's end moved by more than this is published again."""
 """At the run's end, how long a peer waits at most for peers still in a phase (`_settle`)."""
 REACHABILITY_TIMEOUT_S = 10.0
 """A joiner's dial-back probe (reachability.py): at most this long before it trains."""
@@ -120,6 +125,13 @@ class RoundReport:
     steps: int = 0
     staleness: int = 0
     members: list[str] = field(default_factory=list)
+
+
+def _head_plan(plan: list[int], batch: int) -> dict[str, int]:
+    """A phase's steps per shard as a head publishes them: samples per shard, the largest
+    `records.MAX_PLAN_SHARDS` shards only."""
+    top = sorted((n, s) for s, n in enumerate(plan) if n)[-records.MAX_PLAN_SHARDS :]
+    return {str(s): n * batch for n, s in sorted(top, key=lambda x: x[1])}
 
 
 @dataclass
@@ -191,7 +203,10 @@ class SwarmPeer:
         self._last_step_t = 0.0
         self._waited_again = False
         self._eta: float | None = None
-        self._phase_shard, self._phase_samples = 0, 0
+        self._eta_checked = 0.0  # perf_counter of the last _refresh_eta check
+        # The other members of the group committed last: they plan their next phase with us.
+        self._co_planners: list[str] = []
+        self._phase_plan: dict[str, int] | None = None  # samples per shard, published with eta
         self._started_training = False
         self._t_first_train = 0.0
         self._ready = False  # set once start() succeeded: only then may shutdown() checkpoint
@@ -823,8 +838,7 @@ class SwarmPeer:
             loss=self.last_loss,
             in_group=in_group,
             eta=self._eta,
-            shard=self._phase_shard if self._eta is not None else None,
-            planned_samples=self._phase_samples if self._eta is not None else None,
+            plan=self._phase_plan if self._eta is not None else None,
             bans=self._bans_for_head(),
             client=self.client_mode,
             **self._resources(),
@@ -965,59 +979,97 @@ class SwarmPeer:
                 p.copy_(t)
         return perplexity(evaluate_loss(self._eval_model, self.data.val))
 
-    def _pick_shard(self) -> int:
-        """Eq. 2 over the samples the state holds plus those other peers' running phases will
-        add (they publish shard and planned samples with their phase), so peers that start at
-        the same time do not all pick the same under-trained shard."""
-        if self.spec.shard >= 0:
-            return self.spec.shard
+    def _shard_counts(self) -> list[int]:
+        """Samples per shard the state holds plus those other peers' running phases will add
+        (they publish their plan with their phase), so peers that plan at about the same time
+        do not all fill the same under-trained shards."""
         counts = list(self.state.shard_samples)
         fresh = time.time() - HEAD_TTL_S
+        oldest = self.state.version - self.swarm.staleness_limit
         for p, h in self._seen.items():  # as read by the round's last _live_heads()
-            if (
-                p != self.peer_id
-                and h.eta is not None
-                and h.shard is not None
-                and h.updated > fresh
-            ):
-                if h.version >= self.state.version - self.swarm.staleness_limit and h.shard < len(
-                    counts
-                ):
-                    counts[h.shard] += h.planned_samples or 0
-        probs = shard_probabilities([len(s) for s in self.shards], counts)
+            if p == self.peer_id or h.eta is None or not h.plan or h.updated <= fresh:
+                continue
+            if h.version < oldest:
+                continue
+            for shard, samples in h.plan.items():
+                if int(shard) < len(counts):
+                    counts[int(shard)] += samples
+        return counts
+
+    def _plan_shards(self, steps: int, others: int = 0) -> list[int]:
+        """Steps per shard for a phase of `steps` steps: the pinned `--shard`, or each step to
+        the shard furthest below its share (Eq. 2's terms, filled exactly: `fill_shards`), this
+        phase taking its part of a fill shared with `others` steps planned at the same time."""
+        if self.spec.shard >= 0:
+            plan = [0] * len(self.shards)
+            plan[self.spec.shard] = steps
+            return plan
         rng = random.Random(f"{self.peer_id}/{self.state.version}/{self.rounds_done}")
-        return rng.choices(range(len(probs)), weights=probs)[0]
+        return fill_shards(
+            [len(s) for s in self.shards], self._shard_counts(), steps, self.run.batch_size, rng,
+            others=others,
+        )  # fmt: skip
 
     def _plan_steps(self, heads: dict[str, records.PeerHead]) -> int:
         """H in sync mode; in async mode DyLU (Eq. 6) over the speeds live peers publish.
 
         A peer that has not measured its own speed yet runs a short probe phase (at most 3
         steps), so a slow device learns it is slow before it holds the others up."""
-        h = self.run.inner_steps
         if self.swarm.protocol == "sync":
-            return h
+            return self.run.inner_steps
         mine = self.trainer.speed.steps_per_s
         if mine is None:
-            return max(1, min(3, h // 4))
-        speeds = {p: x.speed for p, x in heads.items() if p != self.peer_id and x.speed > 0}
-        speeds[self.peer_id] = mine
-        return dylu_steps(speeds, h)[self.peer_id]
+            return self._probe_steps()
+        return self._dylu(heads)[self.peer_id]
 
-    def _train(self, steps: int) -> tuple[_Contribution, float]:
-        shard = self._pick_shard()
-        start_step = self.state.shard_samples[shard] // self.run.batch_size
+    def _probe_steps(self) -> int:
+        return max(1, min(3, self.run.inner_steps // 4))
+
+    def _dylu(self, heads: dict[str, records.PeerHead]) -> dict[str, int]:
+        """DyLU steps (Eq. 6) of this peer and of every live peer that published a speed."""
+        speeds = {p: x.speed for p, x in heads.items() if p != self.peer_id and x.speed > 0}
+        speeds[self.peer_id] = self.trainer.speed.steps_per_s or 0.0
+        speeds = {p: v for p, v in speeds.items() if v > 0}
+        return dylu_steps(speeds, self.run.inner_steps) if speeds else {}
+
+    def _unseen_steps(self, heads: dict[str, records.PeerHead]) -> int:
+        """Steps other peers plan at the same moment as this one, before their plans can show
+        in their heads: in sync mode every other live peer's H (a round starts together); in
+        async mode those of the other members of the group this peer committed with last (they
+        start their next phase from the same commit), unless their head already shows it."""
+        if self.swarm.protocol == "sync":
+            return self.run.inner_steps * sum(1 for p in heads if p != self.peer_id)
+        dylu = self._dylu(heads)
+        unseen = 0
+        for p in self._co_planners:
+            h = heads.get(p)
+            if h is None or (h.eta is not None and h.plan and h.version >= self.state.version):
+                continue  # gone, or its plan is already counted as in flight
+            unseen += dylu.get(p, self._probe_steps())
+        return unseen
+
+    def _train(self, steps: int, others: int = 0) -> tuple[_Contribution, float]:
+        """One local phase of `steps` steps from the state's θ, its steps spread over shards by
+        `_plan_shards` (one segment per shard, each at its shard's own lr step, Eq. 3), with
+        `others` steps planned by other peers at the same moment; async may extend it
+        (`_extend_phase`). Returns the contribution and the mean loss."""
+        plan = self._plan_shards(steps, others)
         base = self.state.version
+        done = [0] * len(plan)  # steps trained per shard in this phase
         self._last_step_t = time.perf_counter()
+        offset = 0  # steps of the phase before the current segment
+        phase_t0 = time.perf_counter()
 
         def on_step(i: int, loss: float) -> None:
-            if self._paused.is_set() and i < steps:
-                raise _PauseRequested(i)
+            if self._paused.is_set() and offset + i < steps:
+                raise _PauseRequested(offset + i)
             if self.spec.throttle > 1.0:  # emulate a slower device: pad the step just taken
                 self._stop.wait(
                     (self.spec.throttle - 1.0) * (time.perf_counter() - self._last_step_t)
                 )
             self._last_step_t = time.perf_counter()
-            self.on_step(i, steps, loss)
+            self._refresh_eta(offset + i, steps, phase_t0)
+            self.on_step(min(offset + i, steps), steps, loss)
             if self._stop.is_set():
                 raise StopRequested
 
@@ -1026,63 +1078,121 @@ class SwarmPeer:
         speed = self.trainer.speed.steps_per_s
         if self.swarm.protocol == "async" and speed:
             # Tell the swarm when this phase should end (async groups wait only for peers
-            # expected within the grace period) and which shard it trains.
+            # expected within the grace period) and which shards it trains.
             self._eta = get_dht_time() + steps / speed
-            self._phase_shard, self._phase_samples = shard, steps * self.run.batch_size
+            self._phase_plan = _head_plan(plan, self.run.batch_size)
             self._publish_head()
+            self._eta_checked = time.perf_counter()
         t0 = time.perf_counter()
+        loss_sum = 0.0
+        self.trainer.load_params(self.state.theta)
         try:
-            phase = self.trainer.run_phase(
-                self.state.theta, steps, lambda: [self.streams[shard].next_batch()],
-                self.schedule, start_step, on_step=on_step,
-            )  # fmt: skip
+            for shard, count in enumerate(plan):
+                if count == 0:
+                    continue
+                loss, _ = self.trainer.train(
+                    count, self._batches(shard, done), self.schedule,
+                    self._shard_step(shard), on_step=on_step,
+                )  # fmt: skip
+                loss_sum += loss * count
+                offset += count
         except _PauseRequested as p:
             # Keep what the phase did so far: it is contributed after the pause (stale, not lost).
             self.compute_s += time.perf_counter() - t0
             delta = self.trainer.delta_from(self.state.theta)
-            partial = _Contribution(delta, base, {shard: p.steps * self.run.batch_size}, p.steps)
+            partial = _Contribution(delta, base, self._samples(done), p.steps)
             self._pending = partial if self._pending is None else self._pending.merge(partial)
             self._eta = None
             raise
-        delta, samples, loss = phase.delta, phase.samples, phase.mean_loss
-        extra = self._extend_phase(steps, shard, start_step + steps, on_step)
+        extra = self._extend_phase(steps, plan, done, on_step)
         if extra:
-            delta = self.trainer.delta_from(self.state.theta)
-            samples += extra[0] * self.run.batch_size
-            loss = (loss * steps + extra[1] * extra[0]) / (steps + extra[0])
+            loss_sum += extra[1] * extra[0]
             steps += extra[0]
+        delta = self.trainer.delta_from(self.state.theta)
         self.compute_s += time.perf_counter() - t0
-        self._eta = None
+        # `_eta` (now past) and the plan stay in the head until the δ is applied or kept: a
+        # head that catch-up publishes between the phase and the group search must not say
+        # "not training", or a peer finishing at the same moment applies alone while this one
+        # waits the grace period for it in vain (seen in the bench).
         self._started_training = True
-        return _Contribution(delta, base, {shard: samples}, steps), loss
+        return _Contribution(delta, base, self._samples(done), steps), loss_sum / steps
+
+    def _refresh_eta(self, done: int, planned: int, since: float) -> None:
+        """Async: publish the phase's end again when the pace measured in this phase (steps
+        `done` of `planned` since `since`) moved it by more than ETA_DRIFT_S: a peer sharing its
+        device, or slowed by others, would otherwise be waited for at the wrong time."""
+        now = time.perf_counter()
+        if self._eta is None or done < 2 or done >= planned:
+            return
+        if now - self._eta_checked < ETA_REFRESH_S:
+            return
+        self._eta_checked = now
+        eta = get_dht_time() + (planned - done) * (now - since) / done
+        if abs(eta - self._eta) > ETA_DRIFT_S:
+            self._eta = eta
+            self._publish_head()
+
+    def _batches(self, shard: int, done: list[int]) -> Any:
+        """The batch source of one shard for `InnerTrainer.train`; counts the steps it serves."""
+
+        def next_batches() -> list[torch.Tensor]:
+            done[shard] += 1
+            return [self.streams[shard].next_batch()]
+
+        return next_batches
+
+    def _shard_step(self, shard: int) -> int:
+        """The shard's own lr step (Eq. 3): the steps the state holds on it."""
+        return self.state.shard_samples[shard] // self.run.batch_size
+
+    def _samples(self, done: list[int]) -> dict[int, int]:
+        return {s: n * self.run.batch_size for s, n in enumerate(done) if n}
 
     def _extend_phase(
-        self, planned: int, shard: int, next_step: int, on_step: Any
+        self, planned: int, plan: list[int], done: list[int], on_step: Any
     ) -> tuple[int, float] | None:
         """Async: rather than idle until peers expected within the grace period arrive, keep
         training (at most as many steps again as planned) until the latest of them should be
-        done. Returns (extra steps, their mean loss), or None."""
+        done, each extra step on the shard furthest below its share. Returns (extra steps,
+        their mean loss), or None."""
         speed = self.trainer.speed.steps_per_s
         if self.swarm.protocol != "async" or not speed:
             return None
+        until = self._expected_until()
+        if until is None:
+            return None
+        step_s, read = 1.0 / speed, time.perf_counter()
+        counts = self._shard_counts()
+        sizes = [len(s) for s in self.shards]
+        rng = random.Random(f"{self.peer_id}/{self.state.version}/{self.rounds_done}/extend")
+        extra, loss_sum = 0, 0.0
+        while extra < planned and until is not None and get_dht_time() + step_s <= until:
+            if self.spec.shard >= 0:
+                shard = self.spec.shard
+            else:
+                mine = [c + d * self.run.batch_size for c, d in zip(counts, done, strict=True)]
+                shard = fill_shards(sizes, mine, 1, self.run.batch_size, rng).index(1)
+            step = self._shard_step(shard) + done[shard]
+            loss, _ = self.trainer.train(
+                1, self._batches(shard, done), self.schedule, step,
+                on_step=lambda i, value: on_step(planned, value),
+            )  # fmt: skip
+            loss_sum += loss
+            extra += 1
+            if time.perf_counter() - read >= ETA_REFRESH_S:  # they may have arrived or slipped
+                until, read = self._expected_until(), time.perf_counter()
+        return (extra, loss_sum / extra) if extra else None
+
+    def _expected_until(self) -> float | None:
+        """Async: the latest end of the other peers' phases that end within the grace period
+        (DHT time), or None if there are none."""
         now = get_dht_time()
         etas = [
             h.eta
             for p, h in self._live_heads().items()
             if p != self.peer_id and h.eta is not None and now < h.eta <= now + self.swarm.grace_s
         ]
-        if not etas:
-            return None
-        until, step_s = max(etas), 1.0 / speed
-        done, loss_sum = 0, 0.0
-        while done < planned and get_dht_time() + step_s <= until:
-            loss, _ = self.trainer.train(
-                1, lambda: [self.streams[shard].next_batch()], self.schedule, next_step + done,
-                on_step=lambda i, value: on_step(planned, value),
-            )  # fmt: skip
-            loss_sum += loss
-            done += 1
-        return (done, loss_sum / done) if done else None
+        return max(etas) if etas else None
 
     def wait_for_expected_peers(self) -> None:
         """Before the first round: wait until `expected_peers` are live (bounded), so that a
@@ -1112,7 +1222,8 @@ class SwarmPeer:
         self.catch_up()
         if self.finished():
             return None
-        mine, loss = self._train(self._plan_steps(self._live_heads()))
+        heads = self._live_heads()
+        mine, loss = self._train(self._plan_steps(heads), self._unseen_steps(heads))
         self.last_loss = loss
         if self._pending is not None:  # re-contribute what a failed or losing group left
             mine, self._pending = self._pending.merge(mine), None
@@ -1120,6 +1231,7 @@ class SwarmPeer:
         self.catch_up()  # peers may have moved on while we trained
         if self.finished():  # the swarm reached the run's end while we trained
             log.info("[%s] the run reached its end; last δ not contributed", self._tag())
+            self._eta = None
             return None
         self._waited_again = False
         for _ in range(2 + self.swarm.staleness_limit):
@@ -1135,6 +1247,7 @@ class SwarmPeer:
         staleness = self.state.version - mine.base_version
         if staleness > self.swarm.staleness_limit:
             self.dropped += 1
+            self._eta = None
             self.events.emit(
                 "dropped", version=self.state.version, state_hash=self.state.hash(),
                 group_size=0, loss=loss, staleness=staleness, steps=mine.steps,
@@ -1263,6 +1376,8 @@ class SwarmPeer:
         self._keep_record(record)
         self._last_own = (self.state.version, mine)
         self.rounds_done += 1
+        self._eta = None  # the phase's samples are in the state now, no longer in flight
+        self._co_planners = [p for p in members if p != self.peer_id]
         self.contributions += 1
         self._snapshot()
         self._publish_head()
@@ -1304,6 +1419,7 @@ class SwarmPeer:
 
     def _keep(self, mine: _Contribution, why: str, t0: float) -> None:
         self._pending = mine
+        self._eta = None
         self.events.emit(
             "round_failed", version=self.state.version, state_hash=self.state.hash(),
             group_size=0, loss=self.last_loss, reason=why, seconds=time.time() - t0,
@@ -1353,6 +1469,9 @@ class SwarmPeer:
         )
         if self._stop.is_set() or not swarm_end:
             return
+        if self._eta is not None:  # a last phase that will not be contributed: not working
+            self._eta = None
+            self._publish_head()
         asynchronous = self.swarm.protocol == "async"
         start = time.time()
         deadline = start + max(3.0, 2 * self.swarm.grace_s if asynchronous else 0)
