@@ -490,8 +490,6 @@ class SwarmPeer:
         except records.SwarmTimeout as e:
             log.warning("[%s round=%d] %s", self.peer_id[-6:], self.state.version, e)
             heads = {}
-        if self.rounds_done < _TEST_ALONE_ROUNDS:
-            heads = {}  # test hook: this peer does not see the others yet (to make a fork)
         for peer, head in heads.items():
             if head.updated == 0.0 and peer != self.peer_id:  # a peer that left, at its version
                 self._departed_version = max(self._departed_version, head.version)
@@ -499,6 +497,10 @@ class SwarmPeer:
             if known is None or head.updated == 0.0 or head.updated >= known.updated:
                 self._seen[peer] = head
         now = time.time()
+        if self.rounds_done < _TEST_ALONE_ROUNDS and self._started_training:
+            # test hook: once it has trained, this peer does not see the others for its first
+            # rounds (to make a fork); it still waits for --expected-peers before training
+            return {p: h for p, h in self._seen.items() if p == self.peer_id}
         return {
             p: h
             for p, h in self._seen.items()
