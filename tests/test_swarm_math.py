@@ -154,12 +154,6 @@ def test_async_swarm_updates_are_the_engines_delayed_nesterov(
     last_commit = max(e["time"] for e in rounds)
     stops = [next(e for e in events if e["event"] == "stop")["time"] for events in logs]
     assert max(stops) - last_commit < 20.0, [t - last_commit for t in stops]
-    # Shard filling (ALGORITHMS 2.5 made exact): each of the 4 equal shards holds its quarter
-    # of the samples within 2 steps of 16 (one draw per phase put whole phases of up to 12
-    # steps on one shard).
-    counts = stop_a["shard_samples"]
-    assert len(counts) == 4 and sum(counts) >= 100 * 16, counts
-    assert max(abs(n - sum(counts) / 4) for n in counts) <= 2 * 16, counts
     if records[-1].base_version + 1 == stop_a["version"]:
         assert state.hash() == stop_a["state_hash"]
 
