@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
+
 PROTOCOLS = ("sync", "async")
 SECTION_BEGIN = "<!-- begin: bench/async_swarm.py (rewritten by the bench) -->"
 SECTION_END = "<!-- end: bench/async_swarm.py -->"
@@ -450,21 +452,8 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def write_section(path: Path, generated: str) -> None:
-    """Replace this bench's section between its markers (or append it), keeping every byte
-    outside the markers, and any notes written under NOTES_MARKER inside them."""
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
-    notes = NOTES_MARKER + "\n"
-    if SECTION_BEGIN in old and SECTION_END in old:
-        head, rest = old.split(SECTION_BEGIN, 1)
-        inside, tail = rest.split(SECTION_END, 1)
-        if NOTES_MARKER in inside:
-            notes = inside[inside.index(NOTES_MARKER) :]
-    else:
-        head, tail = old + ("\n" if old and not old.endswith("\n\n") else ""), "\n"
-    section = f"{SECTION_BEGIN}\n{generated}\n{notes}"
-    if not section.endswith("\n"):
-        section += "\n"
-    path.write_text(f"{head}{section}{SECTION_END}{tail}", encoding="utf-8")
+    """This bench's section of the results page (see `_common.write_section`)."""
+    _common.write_section(path, generated, SECTION_BEGIN, SECTION_END, NOTES_MARKER)
 
 
 def main() -> int:

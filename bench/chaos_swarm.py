@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import read_events
+
 MODES = ("nan", "scale=1000", "signflip", "random", "stale", "forge", "replay", "wrong-shape")
 HONEST = 5
 PY = [sys.executable, "-m", "diloco_peer"]
@@ -44,23 +46,12 @@ SECTION_END = "<!-- end: bench/chaos_swarm.py -->"
 PPL_TOLERANCE = 0.02
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
 def _one_branch(logs: list[Path]) -> bool:
     """tests/test_swarm.py's invariant: equal hashes per version, unless abandoned by a heal."""
     agreed: dict[int, str] = {}
     for log in logs:
         states: list[list[Any]] = []
-        for e in _events(log):
+        for e in read_events(log):
             if e["event"] == "catch_up" and e.get("fork"):
                 for st in states:
                     if e["from_version"] - 1 <= st[0] <= e["from_version"]:
@@ -76,7 +67,7 @@ def _one_branch(logs: list[Path]) -> bool:
 def _maddr(log: Path, timeout_s: float) -> str:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        for e in _events(log):
+        for e in read_events(log):
             if e["event"] == "start" and e.get("maddrs"):
                 return next(m for m in e["maddrs"] if "127.0.0.1" in m)
         time.sleep(0.3)
@@ -113,7 +104,7 @@ def run_once(
         hostile = start("hostile", *swarm, "--chaos", mode) if mode else None
         deadline = time.time() + args.timeout_s
         while time.time() < deadline and any(p.poll() is None for p in procs[:HONEST]):
-            excluded = any(e["event"] == "excluded" for log in logs for e in _events(log))
+            excluded = any(e["event"] == "excluded" for log in logs for e in read_events(log))
             if hostile and excluded and not status_doc:
                 out = subprocess.run(
                     [*PY, "status", *swarm, "--run", "chaos", "--json"],
@@ -133,11 +124,11 @@ def run_once(
     wall_s = time.time() - t0
     hostile_id = None
     if hostile is not None:
-        hostile_id = next((e["peer"] for e in _events(hostile) if e["event"] == "start"), None)
-    stops = [next((e for e in _events(log) if e["event"] == "stop"), None) for log in logs]
-    rounds = [e for log in logs for e in _events(log) if e["event"] == "round"]
+        hostile_id = next((e["peer"] for e in read_events(hostile) if e["event"] == "start"), None)
+    stops = [next((e for e in read_events(log) if e["event"] == "stop"), None) for log in logs]
+    rounds = [e for log in logs for e in read_events(log) if e["event"] == "round"]
     reasons = sorted({
-        e["reason"] for log in logs for e in _events(log)
+        e["reason"] for log in logs for e in read_events(log)
         if e["event"] == "excluded" and e.get("excluded_peer") == hostile_id
     })  # fmt: skip
     ppls = [s["ppl"] for s in stops if s and s.get("ppl") is not None]

@@ -63,6 +63,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+import _common
+from _common import read_events
+
 from diloco_peer.netlab import Host, NetLab
 
 SECTIONS = ("allreduce", "join", "swarm", "quality")
@@ -577,21 +580,10 @@ def section_join(args: argparse.Namespace, procs: Procs, folder: Path) -> dict[s
 # ---------------------------------------------------------------------- swarm
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
 def _founder_maddr(log: Path, ip: str, proc: subprocess.Popen[Any], timeout_s: float) -> str:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        for e in _events(log):
+        for e in read_events(log):
             if e["event"] == "start" and e.get("maddrs"):
                 found = [m for m in e["maddrs"] if f"/{ip}/" in m]
                 if found:
@@ -673,7 +665,7 @@ def swarm_run(
     after = [(h.tx_bytes(), h.rx_bytes()) for h in hosts]
     per_peer = []
     for i, log in enumerate(logs):
-        events = _events(log)
+        events = read_events(log)
         rounds = [e for e in events if e["event"] == "round"]
         stop = next((e for e in events if e["event"] == "stop"), None)
         steps = sum(e.get("steps", 0) for e in rounds)
@@ -976,21 +968,8 @@ def _details(doc: dict[str, Any]) -> list[str]:
 
 
 def write_section(path: Path, generated: str) -> None:
-    """Replace this bench's section between its markers (or append it), keeping every byte
-    outside the markers, and any notes written under NOTES_MARKER inside them."""
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
-    notes = NOTES_MARKER + "\n"
-    if SECTION_BEGIN in old and SECTION_END in old:
-        head, rest = old.split(SECTION_BEGIN, 1)
-        inside, tail = rest.split(SECTION_END, 1)
-        if NOTES_MARKER in inside:
-            notes = inside[inside.index(NOTES_MARKER) :]
-    else:
-        head, tail = old + ("\n" if old and not old.endswith("\n\n") else ""), "\n"
-    section = f"{SECTION_BEGIN}\n{generated}\n{notes}"
-    if not section.endswith("\n"):
-        section += "\n"
-    path.write_text(f"{head}{section}{SECTION_END}{tail}", encoding="utf-8")
+    """This bench's section of the results page (see `_common.write_section`)."""
+    _common.write_section(path, generated, SECTION_BEGIN, SECTION_END, NOTES_MARKER)
 
 
 # ---------------------------------------------------------------------- main

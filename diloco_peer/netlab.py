@@ -6,8 +6,8 @@
         c = lab.add_host(up_mbit=100, down_mbit=100, inbound=False)   # behind a NAT router
         proc = subprocess.Popen(c.argv(["python", "-m", "diloco_peer", "join", ...]))
         ...
-        print(a.tx_bytes(), a.rx_bytes())                       # bytes on a's wire
-        print(lab.drops(a))                                     # packets its shaping dropped
+        sent, received = a.tx_bytes(), a.rx_bytes()             # bytes on a's wire
+        dropped = lab.drops(a)                                  # packets its shaping dropped
         a = lab.reshape(a, up_mbit=1000, down_mbit=1000)        # new rates, same processes
 
 Each host is a network namespace with one interface, `eth0`, holding a private address of the

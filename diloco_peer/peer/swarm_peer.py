@@ -1029,7 +1029,7 @@ class SwarmPeer:
 
     def _dylu(self, heads: dict[str, records.PeerHead]) -> dict[str, int]:
         """DyLU steps (Eq. 6) of this peer and of every live peer that published a speed."""
-        speeds = {p: x.speed for p, x in heads.items() if p != self.peer_id and x.speed > 0}
+        speeds = {p: x.speed for p, x in heads.items() if p != self.peer_id}
         speeds[self.peer_id] = self.trainer.speed.steps_per_s or 0.0
         speeds = {p: v for p, v in speeds.items() if v > 0}
         return dylu_steps(speeds, self.run.inner_steps) if speeds else {}
