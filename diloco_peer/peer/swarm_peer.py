@@ -1106,7 +1106,7 @@ class SwarmPeer:
             self._pending = partial if self._pending is None else self._pending.merge(partial)
             self._eta = None
             raise
-        extra = self._extend_phase(steps, plan, done, on_step)
+        extra = self._extend_phase(steps, done, on_step)
         if extra:
             loss_sum += extra[1] * extra[0]
             steps += extra[0]
@@ -1151,7 +1151,7 @@ class SwarmPeer:
         return {s: n * self.run.batch_size for s, n in enumerate(done) if n}
 
     def _extend_phase(
-        self, planned: int, plan: list[int], done: list[int], on_step: Any
+        self, planned: int, done: list[int], on_step: Any
     ) -> tuple[int, float] | None:
         """Async: rather than idle until peers expected within the grace period arrive, keep
         training (at most as many steps again as planned) until the latest of them should be
