@@ -60,7 +60,7 @@ from diloco_peer.coordinator_free.state_transfer import (
     download_state,
     download_state_multi,
 )
-from diloco_peer.p2p_service import P2PService
+from diloco_peer.p2p.service import P2PService
 
 RUN = "wan"
 _READY_TIMEOUT_S = 60.0
@@ -250,6 +250,7 @@ class Donor:
         self.peer_id = self.service.peer_id
         self.server = StateServer(self.service, RUN, provide=lambda: self.blob, max_uploads=8)
         self.server.start()
+        self.server.wait_until_ready(timeout_s=_READY_TIMEOUT_S)
 
     def serve(self, cmd: dict[str, Any]) -> dict[str, Any]:
         self.blob = None

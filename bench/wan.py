@@ -632,8 +632,8 @@ def swarm_run(
     """One swarm of `diloco-peer join` peers, one per host, until --versions; per-peer counts."""
     import dataclasses
 
+    from diloco_peer.config import default_run
     from diloco_peer.coordinator_free.manifest import dump_run_config
-    from diloco_peer.peer.swarm_peer import default_run
 
     run_spec, settings = default_run("nano", "sync")
     run_spec = dataclasses.replace(run_spec, inner_steps=args.inner_steps, compression=compression)

@@ -1,21 +1,24 @@
 """Configuration as data.
 
-`RunSpec` describes one training run and is shared by every peer of a swarm (it becomes the signed
-run manifest). `SimSpec` adds what only the simulator needs. Every field is validated in
-`__post_init__`, which raises `ConfigError` with a readable message.
+`RunSpec` describes one training run and `SwarmSettings` how its rounds run; both are shared by
+every peer of a swarm (they become the signed run manifest), and `default_run` is the built-in
+pair. `PeerSpec` is this machine only; `SimSpec` adds what only the simulator needs. Every field
+is validated in `__post_init__`, which raises `ConfigError` with a readable message. Choices are
+`Literal` types, and each tuple of names is derived from its Literal.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from diloco_peer.errors import ConfigError
 
-MODEL_PRESETS = ("nano", "tiny", "20m", "60m", "150m", "400m")
-OUTER_OPTIMIZERS = ("sgd", "sgdm", "nesterov", "adam", "delayed-nesterov")
-SIM_ALGOS = (
+ModelPreset = Literal["nano", "tiny", "20m", "60m", "150m", "400m"]
+OuterOptimizerName = Literal["sgd", "sgdm", "nesterov", "adam", "delayed-nesterov"]
+SimAlgo = Literal[
     "single",
     "ddp",
     "sync",
@@ -25,15 +28,32 @@ SIM_ALGOS = (
     "async-buffer",
     "dn",
     "dn-dylu",
-)
-HETEROGENEITY = ("none", "slight", "moderate", "very")
-AGGREGATIONS = ("mean", "trimmed-mean", "centered-clip")
+]
+Heterogeneity = Literal["none", "slight", "moderate", "very"]
+AggregationName = Literal["mean", "trimmed-mean", "centered-clip"]
+"""How part reducers combine contributions (averaging/robust.py; the manifest's swarm.aggregation)."""
+CompressionName = Literal["none", "fp16", "int8", "int4"]
+"""Pseudo-gradient encodings on the wire (averaging/compression.py)."""
+ComputeSchedule = Literal["constant", "doubling", "halving", "ramp-up", "ramp-down"]
+ShardMode = Literal["iid", "non-iid"]
+Protocol = Literal["sync", "async"]
+Weighting = Literal["uniform", "samples"]
+Device = Literal["auto", "cpu", "cuda"]
+
+# The choices as tuples, for messages, loops and CLI checks: one definition each, the Literal.
+MODEL_PRESETS: tuple[ModelPreset, ...] = get_args(ModelPreset)
+OUTER_OPTIMIZERS: tuple[OuterOptimizerName, ...] = get_args(OuterOptimizerName)
+SIM_ALGOS: tuple[SimAlgo, ...] = get_args(SimAlgo)
+HETEROGENEITY: tuple[Heterogeneity, ...] = get_args(Heterogeneity)
+AGGREGATIONS: tuple[AggregationName, ...] = get_args(AggregationName)
+COMPRESSIONS: tuple[CompressionName, ...] = get_args(CompressionName)
+COMPUTE_SCHEDULES: tuple[ComputeSchedule, ...] = get_args(ComputeSchedule)
+PROTOCOLS: tuple[Protocol, ...] = get_args(Protocol)
+
 MAX_INT = 2**63 - 1
 """Integers in configs and manifests beyond this are refused (JSON allows any size)."""
-"""How part reducers combine contributions (averaging/robust.py; the manifest's swarm.aggregation)."""
-COMPUTE_SCHEDULES = ("constant", "doubling", "halving", "ramp-up", "ramp-down")
-
-ShardMode = Literal["iid", "non-iid"]
+DEFAULT_SHARDS = 8
+"""Data shards of the built-in run (and of a swarm run whose num_shards is 0)."""
 
 
 def _positive(name: str, value: float) -> None:
@@ -55,7 +75,7 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 class RunSpec:
     """One training run: model, data, inner and outer optimization. Identical on every peer."""
 
-    model: str = "tiny"
+    model: ModelPreset = "tiny"
     """Model preset, one of MODEL_PRESETS."""
     data: str = "builtin:python-stdlib"
     """Data source: `builtin:python-stdlib`, a local file or folder (txt/json/jsonl/parquet), or a
@@ -81,7 +101,7 @@ class RunSpec:
     """Global gradient-norm clip; 0 disables."""
     inner_steps: int = 50
     """H: inner steps per round (the fastest peer's count under DyLU)."""
-    outer_optimizer: str = "nesterov"
+    outer_optimizer: OuterOptimizerName = "nesterov"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     dn_buffer_size: int = 0
@@ -94,7 +114,7 @@ class RunSpec:
     schedule_steps: int = 0
     """T of each shard's cosine schedule (ALGORITHMS §2.6); 0 derives it: the simulator uses
     total_steps / shards, a swarm (whose length is open-ended) 10,000."""
-    compression: str = "none"
+    compression: CompressionName = "none"
     """Pseudo-gradient encoding on the wire: none (fp32), fp16, int8 or int4 (blockwise absmax,
     averaging/compression.py). Lossy codecs round each contribution and the group's average."""
     prune_fraction: float = 0.0
@@ -105,7 +125,7 @@ class RunSpec:
     def __post_init__(self) -> None:
         _choice("model preset", self.model, MODEL_PRESETS)
         _choice("outer optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
-        _choice("shard mode", self.shards, ("iid", "non-iid"))
+        _choice("shard mode", self.shards, get_args(ShardMode))
         for name in ("seq_len", "batch_size", "val_sequences", "inner_lr", "inner_steps"):
             _positive(name, getattr(self, name))
         for name in ("max_tokens", "warmup_steps", "weight_decay", "grad_clip", "outer_lr"):
@@ -114,8 +134,7 @@ class RunSpec:
             _non_negative(name, getattr(self, name))
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        # the names of averaging/compression.py's COMPRESSIONS (config imports nothing above it)
-        _choice("compression", self.compression, ("none", "fp16", "int8", "int4"))
+        _choice("compression", self.compression, COMPRESSIONS)
         if not 0 <= self.prune_fraction < 1:
             raise ConfigError(f"prune_fraction must be in [0, 1), got {self.prune_fraction}")
         if not 0 < self.inner_min_lr_ratio <= 1:
@@ -151,13 +170,12 @@ class SimSpec:
     """A simulator run: the shared run plus the virtual swarm around it (ALGORITHMS §2.8)."""
 
     run: RunSpec = field(default_factory=RunSpec)
-    algo: str = "sync"
-    """One of SIM_ALGOS."""
+    algo: SimAlgo = "sync"
     workers: int = 4
     total_steps: int = 800
     """Budget of local (inner) steps summed over all workers. `single` does this many steps;
     `ddp` does total_steps / workers updates of a workers-times larger batch."""
-    heterogeneity: str = "none"
+    heterogeneity: Heterogeneity = "none"
     jitter: float = 0.0
     """Std of the per-step multiplicative log-normal jitter of step times (seeded)."""
     grace_s: float = 0.0
@@ -166,7 +184,7 @@ class SimSpec:
     """async-polythres drops contributions staler than this."""
     drop_prob: float = 0.0
     """Probability that a worker's contribution is lost in a sync round (DiLoCo Fig. 8)."""
-    compute_schedule: str = "constant"
+    compute_schedule: ComputeSchedule = "constant"
     """Active workers over the run in sync mode (DiLoCo Fig. 7)."""
     pretrain_steps: int = 0
     """Single-worker AdamW steps before the distributed phase (the papers' shared start)."""
@@ -196,6 +214,135 @@ class SimSpec:
         return dataclasses.asdict(self)
 
 
+def is_finite(value: float) -> bool:
+    """math.isfinite, but False for an int beyond float range (JSON integers are unbounded, and
+    math.isfinite raises OverflowError on them)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _finite(name: str, value: float, minimum: float, strict: bool) -> None:
+    ok = is_finite(value) and (value > minimum if strict else value >= minimum)
+    if not ok:
+        raise ConfigError(
+            f"{name} must be a finite number {'>' if strict else '>='} {minimum}, got {value}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmSettings:
+    """How the swarm runs its rounds (DESIGN §3). Shared by every peer through the manifest."""
+
+    protocol: Protocol = "sync"
+    """`sync`: a round waits for every live peer (bounded by sync_timeout_s); `async`: a round
+    waits at most grace_s for others at the same version, then applies what it has."""
+    sync_timeout_s: float = 30.0
+    """Sync mode: longest wait for live peers to join a round's group."""
+    allreduce_timeout_s: float = 60.0
+    """Longest an all-reduce may take before the round fails and the peer keeps its delta."""
+    grace_s: float = 2.0
+    """Async mode: how long a ready peer waits for others to form a group."""
+    group_size: int = 64
+    """Target all-reduce group size; one group per version while the swarm fits in it."""
+    weighting: Weighting = "uniform"
+    """Average the members' deltas uniformly or weighted by their (self-reported) samples."""
+    staleness_limit: int = 8
+    """A kept delta older than this many versions is dropped and counted, never applied."""
+    checkpoint_every: int = 5
+    """Write a local checkpoint every this many versions; 0 disables."""
+    expected_peers: int = 0
+    """Peers the run expects. A peer's first round waits (up to start_timeout_s) until this many
+    are live, so a swarm started together trains together; in async mode Delayed Nesterov's
+    buffer N defaults to it. 0: no wait, N = 1."""
+    start_timeout_s: float = 300.0
+    """Longest a peer waits for expected_peers before it trains anyway."""
+    eval_every: int = 1
+    """Evaluate the held-out perplexity every this many versions (and when stopping); 0: only
+    when stopping."""
+    keep_updates: int = 16
+    """L: applied updates each peer keeps and serves, so a peer behind by at most L versions
+    replays them instead of downloading the full state."""
+    aggregation: AggregationName = "mean"
+    """How each part reducer combines the members' δs: `mean`, or for open swarms the robust
+    `trimmed-mean` (coordinate-wise) or `centered-clip` (averaging/robust.py)."""
+    norm_factor: float = 4.0
+    """A contribution whose declared δ norm exceeds this x the group's median is excluded."""
+    min_cosine: float = 0.02
+    """In groups of 3+, a part whose cosine with the coordinate-wise median of the others' is
+    below this is excluded (sign-flipped or random δs); -1 disables the check."""
+    ban_rounds: int = 10
+    """A peer whose contribution was excluded is banned for this many versions."""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"unknown swarm protocol {self.protocol!r}; choose sync or async")
+        if self.weighting not in get_args(Weighting):
+            raise ConfigError(f"unknown weighting {self.weighting!r}; choose uniform or samples")
+        _finite("sync_timeout_s", self.sync_timeout_s, 0, strict=True)
+        _finite("allreduce_timeout_s", self.allreduce_timeout_s, 0, strict=True)
+        _finite("grace_s", self.grace_s, 0, strict=False)
+        if self.group_size < 1:
+            raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
+        if self.staleness_limit < 0:
+            raise ConfigError(f"staleness_limit must be >= 0, got {self.staleness_limit}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(
+                f"unknown aggregation {self.aggregation!r}; choose {', '.join(AGGREGATIONS)}"
+            )
+        _finite("norm_factor", self.norm_factor, 1, strict=True)
+        if not (is_finite(self.min_cosine) and -1 <= self.min_cosine < 1):
+            raise ConfigError(f"min_cosine must be in [-1, 1), got {self.min_cosine}")
+        for name in ("expected_peers", "eval_every", "keep_updates", "ban_rounds"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        _finite("start_timeout_s", self.start_timeout_s, 0, strict=False)
+        if self.protocol == "async" and self.grace_s <= 0:
+            raise ConfigError("async mode needs grace_s > 0: peers finishing together must meet")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SwarmSettings:
+        """Rebuild from `to_dict()` output; unknown or ill-typed fields raise ConfigError."""
+        if not isinstance(data, dict):
+            raise ConfigError("swarm settings must be a table / JSON object")
+        defaults = cls()
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown swarm setting(s): {', '.join(map(str, unknown))}")
+        for name, value in data.items():
+            default = getattr(defaults, name)
+            # bool is an int in Python, never a number here; an int is a fine float.
+            if isinstance(value, bool) or not (
+                isinstance(value, type(default))
+                or (isinstance(default, float) and isinstance(value, int))
+            ):
+                raise ConfigError(f"swarm setting {name} has the wrong type")
+            if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+                raise ConfigError(f"swarm setting {name} is out of range")
+        return cls(**data)
+
+
+def default_run(
+    model: ModelPreset = "tiny", protocol: Protocol = "sync"
+) -> tuple[RunSpec, SwarmSettings]:
+    """The built-in run: tiny model, built-in corpus, byte tokens; synchronous DiLoCo, or
+    asynchronous Local-SGD with Delayed Nesterov (the outer lr each tuned in the simulator,
+    docs/results.md table (b))."""
+    run = RunSpec(model=model, inner_steps=50, warmup_steps=20, num_shards=DEFAULT_SHARDS)
+    if protocol == "async":
+        run = dataclasses.replace(run, outer_optimizer="delayed-nesterov", outer_lr=1.0)
+    return run, SwarmSettings(
+        protocol="sync" if protocol == "sync" else "async",
+        sync_timeout_s=30.0, allreduce_timeout_s=60.0, grace_s=2.0,
+    )  # fmt: skip
+
+
 @dataclass(kw_only=True, frozen=True)
 class PeerSpec:
     """This machine only: how it joins and trains. Never part of the signed manifest."""
@@ -214,11 +361,13 @@ class PeerSpec:
     """Multiaddrs others should dial (behind NAT or port forwarding)."""
     identity: str | None = None
     """Key file from `diloco-peer keygen`; None makes a throwaway identity."""
-    device: str = "auto"
+    device: Device = "auto"
+    """Where the inner steps run: auto (CUDA when present), cpu or cuda."""
     micro_batch_size: int = 0
     """Sequences per forward/backward; 0 means the run's batch (no accumulation); -1 picks the
     largest that fits the device's memory (probed on CUDA; the run's batch on CPU)."""
     checkpoint_dir: str | None = None
+    """Save a checkpoint here (every swarm.checkpoint_every versions and on stop); resume from it."""
     max_rounds: int = 0
     """Stop after this many applied rounds; 0 runs until interrupted."""
     until_version: int = 0
@@ -269,7 +418,7 @@ class PeerSpec:
             raise ConfigError(f"--batch-size must be 'auto' or >= 0, got {self.micro_batch_size}")
         for name in ("max_rounds", "until_version", "until_steps", "threads"):
             _non_negative(name, getattr(self, name))
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("device", self.device, get_args(Device))
         if not (0 <= self.max_hours < float("inf")):
             raise ConfigError(f"--max-hours must be a finite number >= 0, got {self.max_hours}")
         if not -1 <= self.metrics_port <= 65535:

@@ -54,5 +54,10 @@ class StateTransferFailed(DilocoError):
     large, malformed answer, timed out). Try another donor, or the same one later."""
 
 
-class P2PServiceStopped(DilocoError, RuntimeError):
-    """The service was shut down (or never started) while a call needed its loop."""
+class PartStopped(DilocoError, RuntimeError):
+    """A background part (lifecycle.py) was shut down before it was ready, or while a call
+    needed it."""
+
+
+class P2PServiceStopped(PartStopped):
+    """The P2P service was shut down (or never started) while a call needed its loop."""

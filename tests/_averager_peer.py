@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from diloco_peer.averaging.allreduce import AllReduceFailed
 from diloco_peer.averaging.group_averager import GroupAverager
 from diloco_peer.averaging.matchmaking import NoGroup
-from diloco_peer.p2p_service import P2PService
+from diloco_peer.p2p.service import P2PService
 
 
 def emit(message: dict[str, Any]) -> None:

@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.cli.main import main
-from diloco_peer.config import RunSpec
-from diloco_peer.coordinator_free.manifest import Manifest, SwarmSettings
+from diloco_peer.config import RunSpec, SwarmSettings
+from diloco_peer.coordinator_free.manifest import Manifest
 from diloco_peer.identity import Identity
 from diloco_peer.peer import export
 from diloco_peer.peer.checkpoint import load_model_checkpoint, save_model_checkpoint

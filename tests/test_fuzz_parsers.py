@@ -51,9 +51,9 @@ from diloco_peer.averaging.compression import COMPRESSIONS, decode, encoded_size
 from diloco_peer.averaging.matchmaking import pack_gather, unpack_gather
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
-from diloco_peer.config import RunSpec
+from diloco_peer.config import RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.allowlist import Allowlist
-from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest, SwarmSettings
+from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest
 from diloco_peer.coordinator_free.records import (
     HeadRecord,
     PeerHead,

@@ -13,7 +13,8 @@ from multiaddr import Multiaddr
 
 from diloco_peer.coordinator_free import reachability
 from diloco_peer.coordinator_free.reachability import DialBackServer, _observed_ip, probe
-from diloco_peer.p2p_service import P2PService, read_frame
+from diloco_peer.p2p.service import P2PService
+from diloco_peer.p2p.streams import read_frame
 
 PREFIX = "dp_test"
 
@@ -42,6 +43,7 @@ def pair() -> Iterator[tuple[P2PService, P2PService, str]]:
             services[-1].wait_until_ready(30)
         server = DialBackServer(services[0], PREFIX)
         server.start()
+        server.wait_until_ready(30)
         yield services[0], services[1], services[0].peer_id
     finally:
         if server is not None:

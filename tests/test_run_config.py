@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco_peer.config import PeerSpec, RunSpec
-from diloco_peer.coordinator_free.manifest import SwarmSettings, dump_run_config, load_run_config
+from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.coordinator_free.manifest import dump_run_config, load_run_config
 from diloco_peer.errors import ConfigError
 
 

@@ -53,7 +53,7 @@ from diloco_peer.coordinator_free.state_transfer import (
     download_update,
 )
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
-from diloco_peer.p2p_service import P2PService
+from diloco_peer.p2p.service import P2PService
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ def donor_main(out_dir: Path) -> None:
             StateServer(service, "junk", lambda: None, updates=lambda version: b"junk"),
         ):
             server.start()
+            server.wait_until_ready(timeout_s=30)
             components.append(server)
         emit(
             {
@@ -390,6 +391,7 @@ def test_group_averager_and_state_server_share_one_service(pair: Pair) -> None:
         averager.start()
         averager.wait_until_ready(timeout_s=30)
         server.start()
+        server.wait_until_ready(timeout_s=30)
         assert server.run == "local" and server.handler_name == "local_state"
         pair.donor.send(
             {
@@ -638,6 +640,7 @@ def swarm() -> Iterator[Swarm]:
                 server = server_class(nodes[name].service, run, counted, max_uploads=max_uploads)
                 nodes[name].servers.append(server)
                 server.start()
+                server.wait_until_ready(timeout_s=30)
         assert requester is not None
         yield Swarm(requester.service, nodes, truth, calls)
     finally:

@@ -304,8 +304,8 @@ def test_manifest_of_another_protocol_version_is_refused(tmp_path: Path) -> None
 
     from hivemind.dht import DHT
 
-    from diloco_peer.config import RunSpec
-    from diloco_peer.coordinator_free.manifest import PROTOCOL_VERSION, Manifest, SwarmSettings
+    from diloco_peer.config import RunSpec, SwarmSettings
+    from diloco_peer.coordinator_free.manifest import PROTOCOL_VERSION, Manifest
     from diloco_peer.coordinator_free.records import publish_manifest, record_validators
     from diloco_peer.identity import Identity
 

@@ -10,7 +10,7 @@ import torch
 from diloco_peer.averaging.contribution import ContributionHeader
 from diloco_peer.averaging.group_averager import GroupResult
 from diloco_peer.averaging.matchmaking import Group
-from diloco_peer.coordinator_free.manifest import SwarmSettings
+from diloco_peer.config import SwarmSettings
 from diloco_peer.errors import ConfigError
 from diloco_peer.identity import Identity
 from diloco_peer.peer.trust import CHAOS_MODES, Chaos, Guard

@@ -95,7 +95,7 @@ from diloco_peer.averaging.robust import (
 )
 from diloco_peer.averaging.robust import reduce_part as reduce_part  # re-exported
 from diloco_peer.errors import AllReduceFailed
-from diloco_peer.p2p_service import STREAM_ERRORS, read_frame
+from diloco_peer.p2p.streams import STREAM_ERRORS, read_frame
 
 logger = logging.getLogger(__name__)
 

@@ -30,16 +30,16 @@ encoding, which none of these codecs is: today it only costs quality (and models
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from diloco_peer.config import COMPRESSIONS
+from diloco_peer.config import CompressionName as Compression
 from diloco_peer.errors import AllReduceFailed
 
-Compression = Literal["none", "fp16", "int8", "int4"]
-COMPRESSIONS: tuple[Compression, ...] = ("none", "fp16", "int8", "int4")
+__all__ = ["COMPRESSIONS", "Compression"]  # re-exported: the names are config.py's
 CODEC_ID: dict[str, int] = {"none": 0, "fp16": 1, "int8": 2, "int4": 3}
 """The codec byte of allreduce.py's part header (never reuse a number for another encoding)."""
 

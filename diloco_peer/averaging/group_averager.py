@@ -47,7 +47,9 @@ from diloco_peer.averaging.matchmaking import (
     form_group,
 )
 from diloco_peer.averaging.robust import Aggregation
-from diloco_peer.p2p_service import P2PService, P2PServiceStopped, wait_ready
+from diloco_peer.errors import P2PServiceStopped
+from diloco_peer.lifecycle import wait_ready
+from diloco_peer.p2p.service import P2PService
 
 logger = logging.getLogger(__name__)
 

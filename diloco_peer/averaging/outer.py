@@ -25,9 +25,8 @@ from typing import Any, ClassVar, TypeAlias
 import torch
 from torch import Tensor
 
+from diloco_peer.config import OUTER_OPTIMIZERS
 from diloco_peer.errors import ConfigError
-
-OUTER_OPTIMIZERS: tuple[str, ...] = ("sgd", "sgdm", "nesterov", "adam", "delayed-nesterov")
 
 HParam: TypeAlias = "int | float | str | list[float]"
 """An hyper-parameter value as stored in `state_dict()["hparams"]` (JSON-friendly)."""

@@ -34,16 +34,13 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from diloco_peer.averaging.compression import COMPRESSIONS, Compression, decode, encode
+from diloco_peer.config import AGGREGATIONS, AggregationName
 from diloco_peer.errors import AllReduceFailed
-
-Method = Literal["mean", "trimmed-mean", "centered-clip"]
-AGGREGATIONS: tuple[Method, ...] = ("mean", "trimmed-mean", "centered-clip")
 
 _ROBUST_MIN_MEMBERS = 3
 """Fewer members have no majority: robust methods and cosine screening do not apply."""
@@ -70,7 +67,7 @@ _FP16_SUBNORMAL_ERROR = 2.0**-25
 class Aggregation:
     """How a reducer combines the screened parts of its members."""
 
-    method: Method = "mean"
+    method: AggregationName = "mean"
     """"mean" (DiLoCo's), "trimmed-mean" or "centered-clip" (see the module docstring)."""
     trim_fraction: float = 0.2
     """trimmed-mean: the fraction of members dropped from EACH end, per coordinate (at least one

@@ -95,8 +95,9 @@ def join(
 
     SIGUSR1 pauses the peer (it leaves the groups; nobody waits for it), SIGUSR2 resumes it."""
     configure_logging(verbose)
+    from diloco_peer.config import default_run
     from diloco_peer.coordinator_free.manifest import load_run_config
-    from diloco_peer.peer.swarm_peer import SwarmPeer, default_run, install_signal_handlers
+    from diloco_peer.peer.swarm_peer import SwarmPeer, install_signal_handlers
 
     spec = PeerSpec(
         run_name=run, swarm=tuple(swarm), config=str(config) if config else None, host=host,
@@ -226,8 +227,8 @@ def demo(
         )
     seconds = step_seconds(heterogeneity, peers)
     throttles = [s / min(seconds) for s in seconds]
+    from diloco_peer.config import default_run
     from diloco_peer.coordinator_free.manifest import dump_run_config
-    from diloco_peer.peer.swarm_peer import default_run
 
     run_spec, settings = default_run(model, protocol)
     # Sync mode waits for its slowest peer: give it the time that peer needs.

@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
 import hashlib
 import json
-import math
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
-from diloco_peer.config import AGGREGATIONS, MAX_INT, RunSpec
+from diloco_peer.config import RunSpec, SwarmSettings, is_finite
 from diloco_peer.errors import BadInput, ConfigError, ManifestError
 from diloco_peer.identity import Identity, IdentityError, peer_id_from_public_key, verify
 
@@ -55,120 +53,6 @@ def check_run_name(name: object) -> str:
     if not isinstance(name, str) or not _RUN_NAME_RE.fullmatch(name):
         raise ManifestError(f"run name {name!r} must be 1 to 64 characters from A-Z a-z 0-9 _ . -")
     return name
-
-
-def _is_finite(value: float) -> bool:
-    """math.isfinite, but False for an int beyond float range (JSON integers are unbounded, and
-    math.isfinite raises OverflowError on them)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _finite(name: str, value: float, minimum: float, strict: bool) -> None:
-    ok = _is_finite(value) and (value > minimum if strict else value >= minimum)
-    if not ok:
-        raise ConfigError(
-            f"{name} must be a finite number {'>' if strict else '>='} {minimum}, got {value}"
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class SwarmSettings:
-    """How the swarm runs its rounds (DESIGN §3). Shared by every peer through the manifest."""
-
-    protocol: Literal["sync", "async"] = "sync"
-    """`sync`: a round waits for every live peer (bounded by sync_timeout_s); `async`: a round
-    waits at most grace_s for others at the same version, then applies what it has."""
-    sync_timeout_s: float = 30.0
-    """Sync mode: longest wait for live peers to join a round's group."""
-    allreduce_timeout_s: float = 60.0
-    """Longest an all-reduce may take before the round fails and the peer keeps its delta."""
-    grace_s: float = 2.0
-    """Async mode: how long a ready peer waits for others to form a group."""
-    group_size: int = 64
-    """Target all-reduce group size; one group per version while the swarm fits in it."""
-    weighting: Literal["uniform", "samples"] = "uniform"
-    """Average the members' deltas uniformly or weighted by their (self-reported) samples."""
-    staleness_limit: int = 8
-    """A kept delta older than this many versions is dropped and counted, never applied."""
-    checkpoint_every: int = 5
-    """Write a local checkpoint every this many versions; 0 disables."""
-    expected_peers: int = 0
-    """Peers the run expects. A peer's first round waits (up to start_timeout_s) until this many
-    are live, so a swarm started together trains together; in async mode Delayed Nesterov's
-    buffer N defaults to it. 0: no wait, N = 1."""
-    start_timeout_s: float = 300.0
-    """Longest a peer waits for expected_peers before it trains anyway."""
-    eval_every: int = 1
-    """Evaluate the held-out perplexity every this many versions (and when stopping); 0: only
-    when stopping."""
-    keep_updates: int = 16
-    """L: applied updates each peer keeps and serves, so a peer behind by at most L versions
-    replays them instead of downloading the full state."""
-    aggregation: str = "mean"
-    """How each part reducer combines the members' δs: `mean`, or for open swarms the robust
-    `trimmed-mean` (coordinate-wise) or `centered-clip` (averaging/robust.py)."""
-    norm_factor: float = 4.0
-    """A contribution whose declared δ norm exceeds this x the group's median is excluded."""
-    min_cosine: float = 0.02
-    """In groups of 3+, a part whose cosine with the coordinate-wise median of the others' is
-    below this is excluded (sign-flipped or random δs); -1 disables the check."""
-    ban_rounds: int = 10
-    """A peer whose contribution was excluded is banned for this many versions."""
-
-    def __post_init__(self) -> None:
-        if self.protocol not in ("sync", "async"):
-            raise ConfigError(f"unknown swarm protocol {self.protocol!r}; choose sync or async")
-        if self.weighting not in ("uniform", "samples"):
-            raise ConfigError(f"unknown weighting {self.weighting!r}; choose uniform or samples")
-        _finite("sync_timeout_s", self.sync_timeout_s, 0, strict=True)
-        _finite("allreduce_timeout_s", self.allreduce_timeout_s, 0, strict=True)
-        _finite("grace_s", self.grace_s, 0, strict=False)
-        if self.group_size < 1:
-            raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
-        if self.staleness_limit < 0:
-            raise ConfigError(f"staleness_limit must be >= 0, got {self.staleness_limit}")
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(
-                f"unknown aggregation {self.aggregation!r}; choose {', '.join(AGGREGATIONS)}"
-            )
-        _finite("norm_factor", self.norm_factor, 1, strict=True)
-        if not (_is_finite(self.min_cosine) and -1 <= self.min_cosine < 1):
-            raise ConfigError(f"min_cosine must be in [-1, 1), got {self.min_cosine}")
-        for name in ("expected_peers", "eval_every", "keep_updates", "ban_rounds"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        _finite("start_timeout_s", self.start_timeout_s, 0, strict=False)
-        if self.protocol == "async" and self.grace_s <= 0:
-            raise ConfigError("async mode needs grace_s > 0: peers finishing together must meet")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> SwarmSettings:
-        """Rebuild from `to_dict()` output; unknown or ill-typed fields raise ConfigError."""
-        if not isinstance(data, dict):
-            raise ConfigError("swarm settings must be a table / JSON object")
-        defaults = cls()
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ConfigError(f"unknown swarm setting(s): {', '.join(map(str, unknown))}")
-        for name, value in data.items():
-            default = getattr(defaults, name)
-            # bool is an int in Python, never a number here; an int is a fine float.
-            if isinstance(value, bool) or not (
-                isinstance(value, type(default))
-                or (isinstance(default, float) and isinstance(value, int))
-            ):
-                raise ConfigError(f"swarm setting {name} has the wrong type")
-            if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
-                raise ConfigError(f"swarm setting {name} is out of range")
-        return cls(**data)
 
 
 def load_run_config(path: str | Path) -> tuple[RunSpec, SwarmSettings]:
@@ -272,7 +156,7 @@ class Manifest:
             raise ManifestError("manifest run and swarm must be RunSpec and SwarmSettings")
         if isinstance(self.created, bool) or not isinstance(self.created, (int, float)):
             raise ManifestError("manifest created must be a number")
-        if not (_is_finite(self.created) and self.created >= 0):
+        if not (is_finite(self.created) and self.created >= 0):
             raise ManifestError(f"manifest created must be a finite time, got {self.created}")
         try:
             peer_id_from_public_key(self.owner_public_key)

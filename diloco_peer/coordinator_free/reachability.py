@@ -42,7 +42,9 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from multiaddr import Multiaddr
 
-from diloco_peer.p2p_service import STREAM_ERRORS, HandlerServer, P2PService, read_frame
+from diloco_peer.p2p.handler import HandlerServer
+from diloco_peer.p2p.service import P2PService
+from diloco_peer.p2p.streams import STREAM_ERRORS, read_frame
 
 logger = logging.getLogger(__name__)
 

@@ -88,14 +88,10 @@ from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from diloco_peer.coordinator_free.update_log import peek_update
-from diloco_peer.errors import StateTransferFailed
-from diloco_peer.p2p_service import (
-    STREAM_ERRORS,
-    HandlerServer,
-    P2PService,
-    P2PServiceStopped,
-    read_frame,
-)
+from diloco_peer.errors import P2PServiceStopped, StateTransferFailed
+from diloco_peer.p2p.handler import HandlerServer
+from diloco_peer.p2p.service import P2PService
+from diloco_peer.p2p.streams import STREAM_ERRORS, read_frame
 
 logger = logging.getLogger(__name__)
 
@@ -273,9 +269,9 @@ class StateServer(HandlerServer):
     _shutdown_s = _HANDLER_TIMEOUT_S + _SHUTDOWN_GRACE_S + 1.0
     """Removing the handler, then letting uploads end for a moment before cancelling them."""
 
-    def start(self) -> None:
-        """Register the handler; from now on, peers may download the state `provide` returns."""
-        super().start()
+    async def _register(self) -> None:
+        """From now on, peers may download the state `provide` returns."""
+        await super()._register()
         logger.info("[%s] serving state as %s", self._service.peer_id[-6:], self.handler_name)
 
     async def _unregister(self) -> None:

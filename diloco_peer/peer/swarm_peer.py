@@ -14,7 +14,6 @@ winner and re-contributes the δ it had applied on the losing branch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -41,11 +40,11 @@ from diloco_peer.averaging.matchmaking import NoGroup
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.robust import Aggregation
 from diloco_peer.averaging.state import ReplicatedState
-from diloco_peer.config import PeerSpec, RunSpec
+from diloco_peer.config import DEFAULT_SHARDS, PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import reachability, records
 from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.coordinator_free.dylu import dylu_steps
-from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest, SwarmSettings
+from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest
 from diloco_peer.coordinator_free.reachability import DialBackServer
 from diloco_peer.coordinator_free.sampler import fill_shards
 from diloco_peer.coordinator_free.state_transfer import (
@@ -59,7 +58,7 @@ from diloco_peer.coordinator_free.state_transfer import (
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
 from diloco_peer.errors import BadInput, ConfigError, DilocoError, P2PServiceStopped
 from diloco_peer.identity import Identity
-from diloco_peer.p2p_service import P2PService
+from diloco_peer.p2p.service import P2PService
 from diloco_peer.peer.checkpoint import (
     atomic_write,
     read_file_metadata,
@@ -80,7 +79,6 @@ from diloco_peer.peer.trust import Chaos, Guard
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SHARDS = 8
 HEAD_TTL_S = 60.0
 """A head older than this is a peer that left; heartbeats refresh it every HEAD_TTL_S / 4."""
 DHT_TIMEOUT_S = 10.0
@@ -151,19 +149,6 @@ class _Contribution:
             [a + b for a, b in zip(self.delta, other.delta, strict=True)],
             min(self.base_version, other.base_version), samples, self.steps + other.steps,
         )  # fmt: skip
-
-
-def default_run(model: str = "tiny", protocol: str = "sync") -> tuple[RunSpec, SwarmSettings]:
-    """The built-in run: tiny model, built-in corpus, byte tokens; synchronous DiLoCo, or
-    asynchronous Local-SGD with Delayed Nesterov (the outer lr each tuned in the simulator,
-    docs/results.md table (b))."""
-    run = RunSpec(model=model, inner_steps=50, warmup_steps=20, num_shards=DEFAULT_SHARDS)
-    if protocol == "async":
-        run = dataclasses.replace(run, outer_optimizer="delayed-nesterov", outer_lr=1.0)
-    return run, SwarmSettings(
-        protocol="sync" if protocol == "sync" else "async",
-        sync_timeout_s=30.0, allreduce_timeout_s=60.0, grace_s=2.0,
-    )  # fmt: skip
 
 
 class SwarmPeer:
@@ -315,9 +300,11 @@ class SwarmPeer:
             allow=self._allowed,
         )
         self.server.start()
+        self.server.wait_until_ready(timeout_s=30)
         if not self.client_mode:  # joiners ask a peer like this one whether they can be dialed
             self.dialback = DialBackServer(self.service, prefix)
             self.dialback.start()
+            self.dialback.wait_until_ready(timeout_s=30)
         self._resume()
         self._snapshot()
         self._publish_head()

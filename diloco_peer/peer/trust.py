@@ -45,7 +45,7 @@ from diloco_peer.averaging.contribution import (
 )
 from diloco_peer.averaging.group_averager import Admission, GroupResult
 from diloco_peer.averaging.matchmaking import Group
-from diloco_peer.coordinator_free.manifest import SwarmSettings
+from diloco_peer.config import SwarmSettings
 from diloco_peer.errors import ConfigError
 from diloco_peer.identity import Identity
 

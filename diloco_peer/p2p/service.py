@@ -27,16 +27,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import struct
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from hivemind.dht import DHT, DHTNode
-from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError
+from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
 from diloco_peer.errors import P2PServiceStopped
+from diloco_peer.lifecycle import BackgroundPart
 
 logger = logging.getLogger(__name__)
 
@@ -50,140 +50,33 @@ _CANCEL_GRACE_S = 3.0
 """How long tasks still pending when the loop stops get to finish their cancellation."""
 
 
-STREAM_ERRORS: tuple[type[BaseException], ...] = (
-    P2PDaemonError,
-    P2PHandlerError,
-    OSError,
-    EOFError,
-    asyncio.TimeoutError,
-    struct.error,
-)
-"""What a broken, refused or timed-out stream raises (ConnectionError is an OSError,
-IncompleteReadError an EOFError)."""
-HANDLER_CALL_TIMEOUT_S = 10.0
-"""Registering or removing a stream handler with the local p2p daemon."""
-
-
-async def read_frame(
-    reader: asyncio.StreamReader, max_bytes: int, error: Callable[[str], Exception]
-) -> bytes:
-    """One `P2P.send_raw_data` frame, refusing one longer than `max_bytes` before reading it
-    (raises `error(reason)`): a peer's length prefix never sizes an allocation by itself."""
-    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-    if length > max_bytes:
-        raise error(f"frame of {length} bytes, at most {max_bytes} expected")
-    return await reader.readexactly(length)
-
-
-class HandlerServer:
-    """One binary stream handler of a component on a P2PService's replica: `start` registers
-    it (once), `shutdown` removes it (idempotent, safe before start). A subclass names it
-    (`handler_name`), serves streams (`_handle`), and may extend `_unregister` to end the
-    streams it is serving; `_shutdown_s` bounds the whole removal."""
-
-    _shutdown_s: float = 2 * HANDLER_CALL_TIMEOUT_S
-
-    def __init__(self, service: P2PService) -> None:
-        self._service = service
-        self._lifecycle = threading.Lock()
-        self._started = self._stopped = False
-
-    @property
-    def handler_name(self) -> str:
-        raise NotImplementedError
-
-    async def _handle(
-        self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        raise NotImplementedError
-
-    def start(self) -> None:
-        """Register the handler; from now on, peers' streams reach `_handle`."""
-        with self._lifecycle:
-            if self._started or self._stopped:
-                raise RuntimeError(f"a {type(self).__name__} can be started once")
-            self._started = True
-        self._service.run(self._register(), 2 * HANDLER_CALL_TIMEOUT_S)
-
-    def shutdown(self) -> None:
-        """Stop serving. Idempotent; safe before start()."""
-        with self._lifecycle:
-            if self._stopped:
-                return
-            self._stopped = True
-        if not self._started or not self._service.is_running:
-            return
-        try:
-            self._service.run(self._unregister(), self._shutdown_s)
-        except (TimeoutError, P2PServiceStopped) as e:
-            logger.warning("%s: shutdown incomplete: %r", self.handler_name, e)
-
-    async def _register(self) -> None:
-        p2p = await self._service.ready(HANDLER_CALL_TIMEOUT_S)
-        await asyncio.wait_for(
-            p2p.add_binary_stream_handler(self.handler_name, self._handle), HANDLER_CALL_TIMEOUT_S
-        )
-
-    async def _unregister(self) -> None:
-        try:
-            await asyncio.wait_for(
-                self._service.p2p.remove_binary_stream_handler(self.handler_name),
-                HANDLER_CALL_TIMEOUT_S,
-            )
-        except STREAM_ERRORS as e:
-            logger.debug("removing handler %s failed: %r", self.handler_name, e)
-
-
-def wait_ready(ready: concurrent.futures.Future[Any] | None, timeout_s: float, what: str) -> None:
-    """Block until a component's setup future is done; re-raise what setup failed with."""
-    if ready is None:
-        raise RuntimeError(f"call {what}.start() before wait_until_ready()")
-    try:
-        ready.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        if ready.done():  # setup itself timed out
-            raise
-        raise TimeoutError(f"{what} not ready within {timeout_s} s") from None
-    except concurrent.futures.CancelledError:
-        raise P2PServiceStopped(f"{what} was shut down before it was ready") from None
-
-
 async def _daemon_listen_maddr(_dht: DHT, node: DHTNode) -> Multiaddr:
     """Runs inside the DHT process: where its p2p daemon listens for clients."""
     return node.p2p.daemon_listen_maddr
 
 
-class P2PService:
+class P2PService(BackgroundPart):
     """The loop thread and P2P replica that this process's network components share.
 
     :param dht: a running hivemind DHT; its peer id is this service's identity.
     """
 
     def __init__(self, dht: DHT) -> None:
+        super().__init__()
         self._dht = dht
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._ready: concurrent.futures.Future[None] | None = None
         self._p2p: P2P | None = None
         self._peer_id: str | None = None
-        self._lifecycle = threading.Lock()
-        self._stopped = False
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
+    def _begin(self) -> concurrent.futures.Future[None]:
         """Start the loop thread; it connects a replica to the DHT's daemon."""
-        with self._lifecycle:
-            if self._thread is not None or self._stopped:
-                raise RuntimeError("a P2PService can be started once")
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._run_loop, name="P2PService", daemon=True)
-            self._thread.start()
-            self._ready = asyncio.run_coroutine_threadsafe(self._setup(), self._loop)
-
-    def wait_until_ready(self, timeout_s: float) -> None:
-        """Block until the replica is connected; re-raises what setup failed with."""
-        wait_ready(self._ready, timeout_s, "P2PService")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="P2PService", daemon=True)
+        self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self._setup(), self._loop)
 
     async def ready(self, timeout_s: float) -> P2P:
         """Inside `loop`: wait until the replica is connected, for a component's own setup."""
@@ -193,17 +86,13 @@ class P2PService:
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._ready)), timeout_s)
         return self.p2p
 
-    def shutdown(self) -> None:
-        """Close the replica and join the loop thread. Idempotent; safe before start().
+    def _end(self) -> None:
+        """Close the replica and join the loop thread.
 
         Components using the service should be shut down first: their handlers stop answering
         here, and calls still running on the loop are cancelled.
         """
-        with self._lifecycle:
-            if self._stopped:
-                return
-            self._stopped = True
-            loop, thread = self._loop, self._thread
+        loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
         if loop.is_running():
@@ -310,6 +199,3 @@ class P2PService:
     async def _teardown(self) -> None:
         if self._p2p is not None:
             await asyncio.wait_for(self._p2p.shutdown(), _TEARDOWN_TIMEOUT_S)
-
-
-__all__ = ["P2PService", "P2PServiceStopped"]
