@@ -402,8 +402,6 @@ class PeerSpec:
     allowlist: str | None = None
     """Private swarm: the run owner's signed allowlist (`diloco-peer allow`). Only listed keys
     are admitted to groups, have their DHT records accepted and may download the state."""
-    chaos: str | None = None
-    """Test only: misbehave as MODE (peer/trust.py), so tests run a hostile peer for real."""
     client_mode: bool = False
     """This machine cannot be dialed (a NAT or firewall refuses inbound connections): dial out
     only. The peer trains and contributes to groups, but leads none, reduces no part and serves

@@ -1,29 +1,27 @@
-"""Which downloads `SwarmPeer.catch_up` tries for the full state, and in what order: all donors
-at once first (`download_state_multi`), then one donor at a time when that fails or gives a state
-of another hash. The network is replaced by fakes: the downloads themselves are tested between
-real peers in test_state_transfer.py.
-"""
+"""Which downloads catch-up (peer/catch_up.py) tries for the full state, and in what order: all
+donors at once first (`state_multi`), then one donor at a time when that fails or gives a state
+of another hash; and when it replays the missed updates instead. The downloads are handed in as
+fakes: the real ones are tested between real peers in test_state_transfer.py."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import Sequence
 
 import pytest
 import torch
 
-from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.state_transfer import StateBlob, StateTransferFailed
-from diloco_peer.peer import swarm_peer
-from diloco_peer.peer.swarm_peer import SwarmPeer
+from diloco_peer.coordinator_free.swarm_view import HeadChoice
+from diloco_peer.coordinator_free.update_log import UpdateRecord
+from diloco_peer.peer.catch_up import CatchUp
 
 WANT = "a" * 64
-"""The head's state hash: the fake `_load_blob` gives the state the hash its bytes spell."""
+"""The head's state hash: the fake replica's `load` gives the state the hash its bytes spell."""
 TOP = 5
 
 
 class FakeState:
-    """What catch_up reads of the replicated state: version, hash, theta."""
+    """What catch-up reads of the replicated state: version, hash, theta."""
 
     def __init__(self) -> None:
         self.version, self._hash = 1, "0" * 64
@@ -33,106 +31,128 @@ class FakeState:
         return self._hash
 
 
-def make_peer(donors: list[str]) -> tuple[SwarmPeer, list[dict[str, Any]]]:
-    """A SwarmPeer at version 1 whose live heads are `donors` at version TOP with hash WANT."""
-    peer = SwarmPeer.__new__(SwarmPeer)  # no key, model or network: only catch_up runs
-    state, emitted = FakeState(), []
-    heads = {d: PeerHead(peer_id=d, version=TOP, state_hash=WANT) for d in donors}
+class FakeReplica:
+    """A replica whose `load` takes the state hash (and the head's version) from the bytes."""
 
-    def load_blob(data: bytes) -> None:
-        state.version, state._hash = TOP, data.decode()
+    def __init__(self, blob_bytes: int = 0) -> None:
+        self.state = FakeState()
+        self.blob = StateBlob(version=1, state_hash="0" * 64, data=b"x" * blob_bytes)
+        self.snapshots = 0
+        self.kept: list[UpdateRecord] = []
 
-    def restore_blob() -> None:
-        state.version, state._hash = 1, "0" * 64
+    @property
+    def version(self) -> int:
+        return self.state.version
 
-    fakes: dict[str, Any] = {
-        "peer_id": "me",
-        "state": state,
-        "_blob": None,
-        "_live_heads": lambda: heads,
-        "_net": lambda: (None, "service", None, SimpleNamespace(run="r")),
-        "_load_blob": load_blob,
-        "_restore_blob": restore_blob,
-        "_snapshot": lambda: None,
-        "_recontribute_if_lost": lambda lost, old: False,
-        "_publish_head": lambda: None,
-        "events": SimpleNamespace(emit=lambda event, **fields: emitted.append(fields)),
-        "spec": SimpleNamespace(record_updates=None),
-        "swarm": SimpleNamespace(keep_updates=0),
-        "wait_s": 0.0,
-        "last_loss": None,
-    }
-    for name, value in fakes.items():
-        setattr(peer, name, value)
-    return peer, emitted
+    @property
+    def published_version(self) -> int:
+        return self.blob.version
+
+    def load(self, data: bytes) -> None:
+        self.state.version, self.state._hash = TOP, data.decode()
+
+    def restore(self) -> None:
+        self.state.version, self.state._hash = 1, "0" * 64
+
+    def snapshot(self) -> None:
+        self.snapshots += 1
+
+    def record_state(self, version: int, data: bytes) -> None:
+        pass
+
+
+class FakeDownloads:
+    """`multi` None fails, a donor missing from `singles` fails; every call is recorded."""
+
+    def __init__(self, multi: StateBlob | None, singles: dict[str, StateBlob]) -> None:
+        self.multi, self.singles = multi, singles
+        self.calls: list[tuple[str, ...]] = []
+
+    def update(self, donor: str, base_version: int) -> bytes:
+        self.calls.append(("update", donor, str(base_version)))
+        raise StateTransferFailed("no update log")
+
+    def state(self, donor: str) -> StateBlob:
+        self.calls.append(("single", donor))
+        if donor not in self.singles:
+            raise StateTransferFailed("refused")
+        return self.singles[donor]
+
+    def state_multi(self, donors: Sequence[str], state_hash: str) -> StateBlob:
+        self.calls.append(("multi", *donors))
+        assert state_hash == WANT
+        if self.multi is None:
+            raise StateTransferFailed("no donor left")
+        return self.multi
 
 
 def blob(state_hash: str) -> StateBlob:
     return StateBlob(version=TOP, state_hash=WANT, data=state_hash.encode())
 
 
-def fake_downloads(
-    monkeypatch: pytest.MonkeyPatch, multi: StateBlob | None, singles: dict[str, StateBlob]
-) -> list[tuple[str, ...]]:
-    """Replace both downloads; `multi` None fails, a donor missing from `singles` fails."""
-    calls: list[tuple[str, ...]] = []
+def choice(donors: list[str]) -> HeadChoice:
+    return HeadChoice(TOP, WANT, tuple(donors), lost_fork=False)
 
-    def download_state_multi(
-        service: Any, run: str, donors: list[str], state_hash: str, **kwargs: Any
-    ) -> StateBlob:
-        calls.append(("multi", *donors))
-        assert (service, run, state_hash) == ("service", "r", WANT)
-        if multi is None:
-            raise StateTransferFailed("no donor left")
-        return multi
 
-    def download_state(service: Any, run: str, donor: str, **kwargs: Any) -> StateBlob:
-        calls.append(("single", donor))
-        if donor not in singles:
-            raise StateTransferFailed("refused")
-        return singles[donor]
-
-    monkeypatch.setattr(swarm_peer, "download_state_multi", download_state_multi)
-    monkeypatch.setattr(swarm_peer, "download_state", download_state)
-    return calls
+def catch_up(downloads: FakeDownloads, replica: FakeReplica | None = None) -> CatchUp:
+    return CatchUp(replica or FakeReplica(), downloads, me="me", keep_updates=0)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(10)
-def test_several_donors_download_together(monkeypatch: pytest.MonkeyPatch) -> None:
-    peer, emitted = make_peer(["d1", "d2", "d3"])
-    calls = fake_downloads(monkeypatch, blob(WANT), {})
-    assert peer.catch_up()
+def test_several_donors_download_together() -> None:
+    downloads = FakeDownloads(blob(WANT), {})
+    part = catch_up(downloads)
+    moved = part.run(choice(["d1", "d2", "d3"]))
+    calls = downloads.calls
     assert len(calls) == 1 and calls[0][0] == "multi" and sorted(calls[0][1:]) == ["d1", "d2", "d3"]
-    assert peer.state.hash() == WANT and peer.state.version == TOP
-    assert emitted[-1]["method"] == "download"
-    assert sorted(emitted[-1]["donor"].split(",")) == ["d1", "d2", "d3"]
+    assert part.replica.state.hash() == WANT and part.replica.state.version == TOP
+    assert moved is not None and moved.method == "download"
+    assert sorted(moved.donor.split(",")) == ["d1", "d2", "d3"]
+    assert moved.from_version == 1 and not moved.lost_fork
 
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("multi", [None, blob("b" * 64)], ids=["fails", "another-hash"])
 def test_single_donors_when_the_multi_download_fails_or_is_spoiled(
-    monkeypatch: pytest.MonkeyPatch, multi: StateBlob | None
+    multi: StateBlob | None,
 ) -> None:
-    peer, emitted = make_peer(["d1", "d2", "d3"])
-    calls = fake_downloads(monkeypatch, multi, {"d1": blob("c" * 64), "d2": blob(WANT)})
-    assert peer.catch_up()
+    downloads = FakeDownloads(multi, {"d1": blob("c" * 64), "d2": blob(WANT)})
+    part = catch_up(downloads)
+    moved = part.run(choice(["d1", "d2", "d3"]))
+    calls = downloads.calls
     assert calls[0][0] == "multi"
     singles = [c[1] for c in calls[1:]]
     assert all(c[0] == "single" for c in calls[1:]) and singles[-1] == "d2"
-    assert peer.state.hash() == WANT  # d1's state (another hash) was rejected, as before
-    assert emitted[-1]["donor"] == "d2"
+    assert part.replica.state.hash() == WANT  # d1's state (another hash) was rejected, as before
+    assert moved is not None and moved.donor == "d2"
 
 
 @pytest.mark.timeout(10)
-def test_one_donor_downloads_alone_and_all_failing_changes_nothing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    peer, _ = make_peer(["d1"])
-    calls = fake_downloads(monkeypatch, blob(WANT), {"d1": blob(WANT)})
-    assert peer.catch_up()
-    assert calls == [("single", "d1")]
-    peer, emitted = make_peer(["d1", "d2"])
-    calls = fake_downloads(monkeypatch, None, {})
-    assert not peer.catch_up()
-    assert [c[0] for c in calls] == ["multi", "single", "single"]
-    assert peer.state.version == 1 and emitted == []
+def test_one_donor_downloads_alone_and_all_failing_changes_nothing() -> None:
+    downloads = FakeDownloads(blob(WANT), {"d1": blob(WANT)})
+    assert catch_up(downloads).run(choice(["d1"])) is not None
+    assert downloads.calls == [("single", "d1")]
+    downloads = FakeDownloads(None, {})
+    replica = FakeReplica()
+    assert catch_up(downloads, replica).run(choice(["d1", "d2"])) is None
+    assert [c[0] for c in downloads.calls] == ["multi", "single", "single"]
+    assert replica.state.version == 1 and replica.snapshots == 0
+
+
+@pytest.mark.timeout(10)
+def test_a_few_versions_behind_it_replays_first_when_cheaper_than_the_state() -> None:
+    # 4 missed versions of a 16-byte model (64 bytes) against a 1,000-byte state: replay first,
+    # from at most two donors; when both fail, the full state from all donors at once.
+    downloads = FakeDownloads(blob(WANT), {})
+    part = CatchUp(FakeReplica(blob_bytes=1000), downloads, me="me", keep_updates=8)  # type: ignore[arg-type]
+    moved = part.run(choice(["d1", "d2", "d3"]))
+    kinds = [c[0] for c in downloads.calls]
+    assert kinds == ["update", "update", "multi"]
+    assert {c[1] for c in downloads.calls[:2]} <= {"d1", "d2", "d3"}
+    assert moved is not None and moved.method == "download"
+    # more missed versions than the update log keeps: straight to the full state
+    downloads = FakeDownloads(blob(WANT), {})
+    CatchUp(FakeReplica(blob_bytes=1000), downloads, me="me", keep_updates=3).run(  # type: ignore[arg-type]
+        choice(["d1", "d2"])
+    )
+    assert [c[0] for c in downloads.calls] == ["multi"]

@@ -336,7 +336,7 @@ def test_peer_checkpoint_exports_the_global_model(tmp_path: Path) -> None:
 
 
 def test_peer_format_tag_is_swarm_peers() -> None:
-    from diloco_peer.peer.swarm_peer import CHECKPOINT_FORMAT
+    from diloco_peer.peer.peer_checkpoint import CHECKPOINT_FORMAT
 
     assert export.PEER_FORMAT == CHECKPOINT_FORMAT
 

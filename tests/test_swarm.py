@@ -244,7 +244,7 @@ def test_killed_peers_cost_survivors_at_most_a_timed_out_round(
     b, log_b = swarm.start("b", "--swarm", maddr, *until)
     c, log_c = swarm.start("c", "--swarm", maddr, *until)
     # d kills itself (SIGKILL) right after joining its second group: during an all-reduce.
-    d, log_d = swarm.start("d", "--swarm", maddr, *until, env={"DILOCO_PEER_KILL_IN_GROUP": "2"})
+    d, log_d = swarm.start("d", "--swarm", maddr, *until, "--fault", "kill-in-group=2")
     # c is killed by us while it trains, after its second applied round.
     first = swarm.wait_event(log_c, "round", 150)
     swarm.wait_event(log_c, "round", 60, version=first["version"] + 1)
@@ -415,14 +415,14 @@ def test_fork_is_healed_and_the_losers_delta_contributed_again(swarm: Swarm) -> 
     # Both peers apply their first δ alone at version 0 (a test hook hides the other one), so
     # version 1 exists twice. The branch that wins (the longer one, or the larger hash at equal
     # length) is downloaded by the other peer, which puts its lost δ into its next group.
-    alone = {"DILOCO_PEER_ALONE_ROUNDS": "1"}
+    alone = ["--fault", "alone-rounds=1"]
     until = ["--until-version", "4"]
     # a waits for b before its first round (the hook hides b only once a has trained): alone,
     # a reached version 4 in about 5 s, before b had finished its reachability probe, and
     # there was no fork to heal.
-    a, log_a = swarm.start("a", *NANO, "--expected-peers", "2", *until, env=alone)
+    a, log_a = swarm.start("a", *NANO, "--expected-peers", "2", *until, *alone)
     maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
-    b, log_b = swarm.start("b", "--swarm", maddr, *until, env=alone)
+    b, log_b = swarm.start("b", "--swarm", maddr, *until, *alone)
     assert a.wait(timeout=150) == 0 and b.wait(timeout=60) == 0
     events = {"a": _events(log_a), "b": _events(log_b)}
     first = {k: next(e for e in ev if e["event"] == "round") for k, ev in events.items()}

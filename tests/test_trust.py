@@ -13,7 +13,8 @@ from diloco_peer.averaging.matchmaking import Group
 from diloco_peer.config import SwarmSettings
 from diloco_peer.errors import ConfigError
 from diloco_peer.identity import Identity
-from diloco_peer.peer.trust import CHAOS_MODES, Chaos, Guard
+from diloco_peer.peer.chaos import CHAOS_MODES, Chaos
+from diloco_peer.peer.trust import Guard
 
 ME, OTHER, THIRD = (Identity.generate() for _ in range(3))
 HASH = "ab" * 32

@@ -87,7 +87,10 @@ def join(
     allowlist: Path | None = typer.Option(
         None, help="Private swarm: the owner's signed allowlist (`diloco-peer allow`)."
     ),
-    chaos: str | None = typer.Option(None, hidden=True, help="Test only: misbehave (trust.py)."),
+    chaos: str | None = typer.Option(None, hidden=True, help="Test only: misbehave (chaos.py)."),
+    fault: list[str] = typer.Option(
+        [], hidden=True, help="Test only: NAME=N, a fault to inject (peer/faults.py; repeatable)."
+    ),
     quiet: bool = typer.Option(False, help="No progress bar."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -97,7 +100,9 @@ def join(
     configure_logging(verbose)
     from diloco_peer.config import default_run
     from diloco_peer.coordinator_free.manifest import load_run_config
-    from diloco_peer.peer.swarm_peer import SwarmPeer, install_signal_handlers
+    from diloco_peer.peer.faults import FaultPlan
+    from diloco_peer.peer.signals import install_signal_handlers
+    from diloco_peer.peer.swarm_peer import SwarmPeer
 
     spec = PeerSpec(
         run_name=run, swarm=tuple(swarm), config=str(config) if config else None, host=host,
@@ -110,8 +115,9 @@ def join(
         max_hours=max_hours, metrics_port=metrics_port, metrics_host=metrics_host,
         tensorboard=str(tensorboard) if tensorboard else None,
         gpu_memory_fraction=gpu_memory_fraction,
-        allowlist=str(allowlist) if allowlist else None, chaos=chaos, client_mode=client_mode,
+        allowlist=str(allowlist) if allowlist else None, client_mode=client_mode,
     )  # fmt: skip
+    faults = FaultPlan.parse(fault, chaos)
     founding = None
     if not swarm and client_mode:
         raise BadInput("--client-mode needs --swarm: the founder must accept connections")
@@ -155,7 +161,7 @@ def join(
             f"received {r.bytes_received / 1e6:.2f} MB, state {r.state_hash[:12]}"
         )
 
-    peer = SwarmPeer(spec, founding=founding, on_step=on_step, on_round=on_round)
+    peer = SwarmPeer(spec, founding=founding, faults=faults, on_step=on_step, on_round=on_round)
     install_signal_handlers(peer)
     try:
         peer.start()

@@ -6,6 +6,7 @@ values come from a callback that reads the peer's counters, so the endpoint neve
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import threading
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from diloco_peer.errors import BadInput
+from diloco_peer.lifecycle import BackgroundPart, ready_now
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +48,14 @@ def render(metrics: list[Metric], labels: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-class MetricsServer:
-    """`GET /metrics` on host:port; `collect()` is called per request."""
+class MetricsServer(BackgroundPart):
+    """`GET /metrics` on host:port; `collect()` is called per request. The port is bound at
+    construction (BadInput if it cannot be), served once started."""
 
     def __init__(
         self, host: str, port: int, collect: Callable[[], list[Metric]], labels: dict[str, str]
     ) -> None:
+        super().__init__()
         self._collect, self._labels = collect, labels
         outer = self
 
@@ -89,9 +93,10 @@ class MetricsServer:
     def port(self) -> int:
         return int(self._server.server_address[1])
 
-    def start(self) -> None:
+    def _begin(self) -> concurrent.futures.Future[None]:
         self._thread.start()
+        return ready_now()
 
-    def shutdown(self) -> None:
+    def _end(self) -> None:
         self._server.shutdown()
         self._server.server_close()

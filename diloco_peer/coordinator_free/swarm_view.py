@@ -1,0 +1,235 @@
+"""The swarm's rules as pure functions of the heads peers publish (DESIGN §2, §3): who is live,
+which head to follow, whom a round waits for, what other peers have in flight.
+
+No DHT, no torch, no clock of its own: the caller reads the heads (`records.read_heads`), passes
+the time, and acts on the answers. `SwarmPeer` and `diloco-peer status` use the same code.
+
+    book = HeadBook(me, ttl_s=60)
+    book.merge(records.read_heads(...))          # heads remembered across reads
+    view = SwarmView(me, version, state_hash, book.live(time.time()))
+    choice = view.choose_head()                  # catch up? to what, from whom
+    waiting_for = view.expected_soon(get_dht_time(), grace_s)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from diloco_peer.coordinator_free.records import PeerHead
+
+HEAD_TTL_S = 60.0
+"""A head older than this is a peer that left; heartbeats refresh it every HEAD_TTL_S / 4."""
+
+
+class HeadBook:
+    """The heads this peer has seen, remembered across DHT reads, and whom it ignores.
+
+    One slow or partial DHT read must never make the others vanish (a peer that thinks it is
+    alone applies its own δ and forks the state), so a read only adds or refreshes heads. A head
+    published with `updated == 0` is a peer leaving (at its version). A peer a group formed
+    without is `absent`: not waited for again until it publishes a newer head, so a dead peer
+    costs at most one timed-out round (DESIGN §3).
+    """
+
+    def __init__(self, me: str, ttl_s: float = HEAD_TTL_S) -> None:
+        self.me, self.ttl_s = me, ttl_s
+        self.seen: dict[str, PeerHead] = {}
+        self.absent: dict[str, float] = {}
+        self.departed_version = -1
+        """The highest version a peer announced as it left (-1: none)."""
+
+    def merge(self, heads: Mapping[str, PeerHead]) -> None:
+        """Add one read's heads: newer heads replace older ones; a departure always wins."""
+        for peer, head in heads.items():
+            if head.updated == 0.0 and peer != self.me:
+                self.departed_version = max(self.departed_version, head.version)
+            known = self.seen.get(peer)
+            if known is None or head.updated == 0.0 or head.updated >= known.updated:
+                self.seen[peer] = head
+
+    def live(self, now: float) -> dict[str, PeerHead]:
+        """Heads refreshed within the TTL, except absent peers that published nothing since."""
+        return {
+            p: h
+            for p, h in self.seen.items()
+            if now - h.updated < self.ttl_s and h.updated > self.absent.get(p, 0.0)
+        }
+
+    def mark_absent(self, expected: Iterable[str], present: Collection[str], now: float) -> None:
+        """A group formed without the `expected` peers missing from `present`."""
+        for peer in expected:
+            if peer not in present:
+                self.absent[peer] = now
+
+    def in_flight(self, counts: Sequence[int], now: float, oldest_version: int) -> list[int]:
+        """Samples per shard: `counts` (what the state holds) plus what other peers' running
+        phases will add, as their heads' plans say, so peers that plan at about the same time do
+        not all fill the same under-trained shards. A plan counts while its head is fresh, its
+        phase runs (`eta` set) and its base is within the staleness limit (`oldest_version`)."""
+        out = list(counts)
+        for p, h in self.seen.items():
+            if p == self.me or h.eta is None or not h.plan or h.updated <= now - self.ttl_s:
+                continue
+            if h.version < oldest_version:
+                continue
+            for shard, samples in h.plan.items():
+                if int(shard) < len(out):
+                    out[int(shard)] += samples
+        return out
+
+
+@dataclass(frozen=True)
+class HeadChoice:
+    """Where catch-up goes: the swarm's head (DESIGN §3 step 1 and the fork rule)."""
+
+    version: int
+    """The highest version a live peer other than us advertises."""
+    state_hash: str
+    """The winning state hash at that version."""
+    donors: tuple[str, ...]
+    """Live peers at (version, state_hash) that accept connections (clients serve no state)."""
+    lost_fork: bool
+    """We hold `version` with another hash: our branch lost, our last δ is contributed again."""
+    votes: Mapping[str, int] = field(default_factory=dict)
+    """Peers per state hash at `version` (we count for our own hash at our version)."""
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """The live heads as seen by one peer at one moment, with the rules that read them."""
+
+    me: str
+    """This peer's id."""
+    version: int
+    """The version of the state this peer holds."""
+    state_hash: str
+    """Its hash as published (the hash of the last snapshot)."""
+    heads: Mapping[str, PeerHead]
+    """Live heads by peer id (`HeadBook.live`), this peer's own included or not."""
+
+    def others(self) -> dict[str, PeerHead]:
+        return {p: h for p, h in self.heads.items() if p != self.me}
+
+    def choose_head(self) -> HeadChoice | None:
+        """The head to move to, or None when there is nothing to do.
+
+        The head is the highest version live peers advertise; among its state hashes the one
+        most peers hold wins, ties broken by the larger hash (DESIGN §3 counts contributions;
+        peers on the branch are the proxy for that). At our own version we vote for our hash:
+        None if it wins, a `lost_fork` choice if another hash does.
+        """
+        others = self.others().values()
+        top = max((h.version for h in others), default=-1)
+        if top < self.version:
+            return None
+        votes: dict[str, int] = {}
+        for h in others:
+            if h.version == top:
+                votes[h.state_hash] = votes.get(h.state_hash, 0) + 1
+        if top == self.version:
+            votes[self.state_hash] = votes.get(self.state_hash, 0) + 1
+        want = max(votes, key=lambda x: (votes[x], x))
+        if top == self.version and want == self.state_hash:
+            return None
+        donors = tuple(
+            h.peer_id for h in others if h.version == top and h.state_hash == want and not h.client
+        )
+        return HeadChoice(top, want, donors, lost_fork=top == self.version, votes=votes)
+
+    def expected_soon(self, now: float, grace_s: float) -> list[str]:
+        """Async: the peers worth waiting for (DHT time `now`): in a group search at our state,
+        training a phase that ends within the grace period, or new (no speed measured yet)."""
+        soon = now + grace_s
+        out = []
+        for p, h in self.others().items():
+            if h.version > self.version:
+                continue
+            grouping = h.in_group and h.version == self.version and h.state_hash == self.state_hash
+            finishing = h.eta is not None and h.eta <= soon
+            if grouping or finishing or (h.speed == 0 and not h.in_group):
+                out.append(p)
+        return out
+
+    def someone_grouping(self) -> bool:
+        """Another live peer at our version and state has announced it is in a group search."""
+        return any(
+            h.in_group and h.version == self.version and h.state_hash == self.state_hash
+            for h in self.others().values()
+        )
+
+    def still_working(self) -> bool:
+        """Another live peer at our version or below is training a phase or in a group (a
+        peer's commit republishes `eta` None)."""
+        return any(
+            h.version <= self.version and (h.in_group or h.eta is not None)
+            for h in self.others().values()
+        )
+
+    def expected_until(self, now: float, grace_s: float) -> float | None:
+        """Async: the latest end (DHT time) of the other peers' phases that end within the
+        grace period after `now`, or None if there are none."""
+        etas = [
+            h.eta
+            for h in self.others().values()
+            if h.eta is not None and now < h.eta <= now + grace_s
+        ]
+        return max(etas) if etas else None
+
+    def speeds(self, mine: float | None) -> dict[str, float]:
+        """Published inner-step speeds for DyLU (Eq. 6), ours included; unmeasured ones left out."""
+        speeds = {p: h.speed for p, h in self.others().items()}
+        speeds[self.me] = mine or 0.0
+        return {p: v for p, v in speeds.items() if v > 0}
+
+    def unseen_steps(
+        self,
+        *,
+        synchronous: bool,
+        inner_steps: int,
+        co_planners: Sequence[str],
+        steps_of: Mapping[str, int],
+        probe_steps: int,
+    ) -> int:
+        """Steps other peers plan at the same moment as this one, before their plans can show in
+        their heads: in sync mode every other live peer's H (a round starts together); in async
+        mode those of the other members of the group this peer committed with last
+        (`co_planners`, who start their next phase from the same commit; `steps_of` their DyLU
+        steps, `probe_steps` for one without a speed), unless their head already shows it."""
+        if synchronous:
+            return inner_steps * len(self.others())
+        unseen = 0
+        for p in co_planners:
+            h = self.heads.get(p)
+            if h is None or (h.eta is not None and h.plan and h.version >= self.version):
+                continue  # gone, or its plan is already counted as in flight
+            unseen += steps_of.get(p, probe_steps)
+        return unseen
+
+
+def forks(heads: Iterable[PeerHead]) -> dict[int, list[str]]:
+    """Versions at which live peers hold more than one state hash, with the hashes (sorted)."""
+    hashes_at: dict[int, set[str]] = {}
+    for h in heads:
+        hashes_at.setdefault(h.version, set()).add(h.state_hash)
+    return {v: sorted(s) for v, s in hashes_at.items() if len(s) > 1}
+
+
+@dataclass(frozen=True)
+class Banned:
+    """A peer other peers ban (DESIGN §4), as their heads say."""
+
+    by: tuple[str, ...]
+    reasons: tuple[str, ...]
+
+
+def bans(heads: Iterable[PeerHead]) -> dict[str, Banned]:
+    """Who is banned by whom, with the distinct reasons, from the bans heads list."""
+    by: dict[str, list[str]] = {}
+    reasons: dict[str, list[str]] = {}
+    for h in heads:
+        for peer, reason in (h.bans or {}).items():
+            by.setdefault(peer, []).append(h.peer_id)
+            if reason not in reasons.setdefault(peer, []):
+                reasons[peer].append(reason)
+    return {p: Banned(tuple(by[p]), tuple(reasons[p])) for p in by}

@@ -1,0 +1,192 @@
+"""Catch-up (DESIGN §3 step 1): move the replica to the head `SwarmView.choose_head` picked.
+
+A peer a few versions behind replays the missed updates from a donor's log when that costs less
+than the full state; otherwise (or if the replay fails) it downloads the full state, from all
+donors at once in ranges first, then from one donor at a time (a hostile donor's ranges spoil a
+multi-donor download). Either way the result must hash to the chosen hash, or the replica goes
+back to its snapshot. The downloads are handed in (`Downloads`), so tests run this without a
+network.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from diloco_peer.coordinator_free.state_transfer import (
+    StateBlob,
+    StateTransferFailed,
+    download_state,
+    download_state_multi,
+    download_update,
+)
+from diloco_peer.coordinator_free.swarm_view import HeadChoice
+from diloco_peer.coordinator_free.update_log import UpdateRecord
+from diloco_peer.errors import ConfigError
+from diloco_peer.p2p.service import P2PService
+from diloco_peer.peer.replica import Replica
+
+log = logging.getLogger(__name__)
+
+STATE_TIMEOUT_S = 120.0
+"""One full-state download (single donor or all of them)."""
+UPDATE_TIMEOUT_S = 10.0
+"""One update of a replay."""
+REPLAY_DONORS = 2
+"""Donors a replay is tried from before falling back to the full state."""
+
+
+class Downloads(Protocol):
+    """Where catch-up gets bytes from (state_transfer's downloads, or a test's fakes)."""
+
+    def update(self, donor: str, base_version: int) -> bytes: ...
+
+    def state(self, donor: str) -> StateBlob: ...
+
+    def state_multi(self, donors: Sequence[str], state_hash: str) -> StateBlob: ...
+
+
+@dataclass(frozen=True)
+class SwarmDownloads:
+    """The state_transfer downloads from this run's donors, over this process's service."""
+
+    service: P2PService
+    prefix: str
+    """The state servers' run prefix (`StateServer.run`)."""
+
+    def update(self, donor: str, base_version: int) -> bytes:
+        return download_update(
+            self.service, self.prefix, donor, base_version, timeout_s=UPDATE_TIMEOUT_S
+        )
+
+    def state(self, donor: str) -> StateBlob:
+        return download_state(self.service, self.prefix, donor, timeout_s=STATE_TIMEOUT_S)
+
+    def state_multi(self, donors: Sequence[str], state_hash: str) -> StateBlob:
+        return download_state_multi(
+            self.service, self.prefix, list(donors), state_hash, timeout_s=STATE_TIMEOUT_S
+        )
+
+
+class Replay(enum.Enum):
+    """How a replay from one donor ended."""
+
+    DONE = "done"
+    FORK = "fork"
+    """The donor's chain does not start from our state: our branch lost a fork."""
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class CaughtUp:
+    """The replica moved to the head."""
+
+    method: str
+    """"replay" or "download"."""
+    donor: str
+    """The donor's peer id, or several joined by commas (a multi-donor download)."""
+    bytes: int
+    seconds: float
+    from_version: int
+    lost_fork: bool
+    """Our branch lost: the δ that produced `from_version` is contributed again."""
+
+
+class CatchUp:
+    """Moves a replica to a chosen head, by replay or download (see the module docstring)."""
+
+    def __init__(self, replica: Replica, downloads: Downloads, *, me: str, keep_updates: int):
+        self.replica, self.downloads = replica, downloads
+        self.me, self.keep_updates = me, keep_updates
+
+    def run(self, choice: HeadChoice) -> CaughtUp | None:
+        """Move to `choice`; None (the replica unchanged) if no donor gave the chosen state."""
+        donors = list(choice.donors)
+        random.Random(f"{self.me}/{choice.version}").shuffle(donors)
+        state, t0 = self.replica.state, time.time()
+        old_version, lost_fork = state.version, choice.lost_fork
+        missed = choice.version - old_version
+        model_bytes = 4 * sum(t.numel() for t in state.theta)
+        blob = self.replica.blob
+        full_bytes = len(blob.data) if blob is not None else 0
+        moved: tuple[str, str, int] | None = None  # method, donor, bytes
+        if 0 < missed <= self.keep_updates and missed * model_bytes < full_bytes:
+            for donor in donors[:REPLAY_DONORS]:
+                outcome, nbytes = self._replay(donor, choice.version, choice.state_hash)
+                if outcome is Replay.DONE:
+                    moved = ("replay", donor, nbytes)
+                    break
+                if outcome is Replay.FORK:
+                    lost_fork = True
+                    break
+        if moved is None:
+            moved = self._download(donors, choice)
+        if moved is None:
+            return None
+        self.replica.snapshot()
+        method, donor, nbytes = moved
+        return CaughtUp(method, donor, nbytes, time.time() - t0, old_version, lost_fork)
+
+    def _replay(self, donor: str, top: int, want: str) -> tuple[Replay, int]:
+        """Replay updates from our version up to `top` from `donor`'s log, with the bytes it
+        took. On failure the replica goes back to its snapshot."""
+        replica = self.replica
+        shapes = [tuple(t.shape) for t in replica.state.theta]
+        nbytes = 0
+        replayed: list[UpdateRecord] = []
+        try:
+            for base in range(replica.version, top):
+                data = self.downloads.update(donor, base)
+                nbytes += len(data)
+                record = UpdateRecord.from_bytes(data, shapes=shapes)
+                if record.base_version != base:
+                    raise ValueError(f"asked for version {base}, got {record.base_version}")
+                if record.base_hash != replica.state.hash():
+                    if base == replica.published_version:
+                        replica.restore()
+                        return Replay.FORK, nbytes
+                    raise ValueError(f"update {base} does not extend version {base}")
+                replica.apply_record(record)
+                replayed.append(record)
+            if replica.state.hash() != want:
+                raise ValueError("replayed state does not hash to the head's hash")
+        except (StateTransferFailed, ValueError, ConfigError) as e:
+            log.info("[%s] replay from %s failed: %s", self._tag(), donor[-6:], e)
+            replica.restore()
+            return Replay.FAILED, nbytes
+        for record in replayed:
+            replica.keep(record)
+        return Replay.DONE, nbytes
+
+    def _download(self, donors: list[str], choice: HeadChoice) -> tuple[str, str, int] | None:
+        """The full state: from all donors at once in ranges first; from one donor at a time if
+        that fails or gives another hash."""
+        sources = ([donors] if len(donors) > 1 else []) + [[donor] for donor in donors]
+        for source in sources:
+            donor = ",".join(source)  # the event's donor: one peer id, or several
+            label = donor[-6:] if len(source) == 1 else f"{len(source)} donors"
+            try:
+                if len(source) > 1:
+                    blob = self.downloads.state_multi(source, choice.state_hash)
+                else:
+                    blob = self.downloads.state(donor)
+                self.replica.load(blob.data)
+            except (StateTransferFailed, ConfigError) as e:
+                log.warning("[%s] state from %s rejected: %s", self._tag(), label, e)
+                self.replica.restore()
+                continue
+            if self.replica.state.hash() != choice.state_hash:
+                log.warning("[%s] state from %s has another hash", self._tag(), label)
+                self.replica.restore()
+                continue
+            self.replica.record_state(choice.version, blob.data)
+            return "download", donor, len(blob.data)
+        return None
+
+    def _tag(self) -> str:
+        return f"{self.me[-6:]} v{self.replica.version}"

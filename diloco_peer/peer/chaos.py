@@ -1,0 +1,172 @@
+"""Hostile behaviours for tests (`join --chaos MODE`): a real `diloco-peer join` process that
+misbehaves in a known way, so that the trust rules (DESIGN §4) are tested against real attacks.
+
+Each mode is an attack the swarm must survive:
+
+    nan          sends NaN values under an honest header (caught by the part reducers)
+    scale=F      sends F x its δ, declaring the true norm of what it sends (caught by the norm
+                 bound at admission)
+    signflip     sends -δ (caught by the reducers' direction check, groups of 3+)
+    random       sends a random vector of its δ's norm (direction check)
+    stale        signs its δ for the previous round, a contribution that comes too late (at
+                 version 0, where there is none, for the next round; caught at admission)
+    forge        signs its header with a key that is not its own (caught at admission)
+    replay       re-sends the previous round's signed header and δ (caught at admission; its
+                 first round, with nothing to replay, is signed for the next round)
+    wrong-shape  sends one value more than the model has, and declares it (caught at admission)
+
+A `Behaviour` is what a peer does at each point where it could cheat; the honest one changes
+nothing. `Guard` (trust.py) calls these hooks and holds no mode of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from diloco_peer.averaging.contribution import ContributionHeader, shapes_digest
+from diloco_peer.errors import ConfigError
+from diloco_peer.identity import Identity
+
+
+class Behaviour:
+    """An honest peer: sends its δ, declares and signs the truth with its own key."""
+
+    def replayed(self) -> tuple[list[Tensor], bytes] | None:
+        """A (δ, signed header) sent before, to send again instead of this round's; None."""
+        return None
+
+    def sent(self, delta: list[Tensor]) -> list[Tensor]:
+        """What goes on the wire instead of `delta` (its header declares what is sent)."""
+        return delta
+
+    def header(self, header: ContributionHeader, delta: Sequence[Tensor]) -> ContributionHeader:
+        """The header to sign, from the true one (`delta`: the peer's own δ)."""
+        return header
+
+    def signer(self, identity: Identity) -> Identity:
+        """The key that signs the header."""
+        return identity
+
+    def remember(self, sent: list[Tensor], gather: bytes) -> None:
+        """Called with what was offered this round."""
+
+    def tamper(self, flat: Tensor) -> Tensor:
+        """The flat vector after every check of this peer's own (GroupAverager's hook)."""
+        return flat
+
+
+class SendsNaN(Behaviour):
+    def tamper(self, flat: Tensor) -> Tensor:
+        return torch.full_like(flat, float("nan"))
+
+
+class Scales(Behaviour):
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def sent(self, delta: list[Tensor]) -> list[Tensor]:
+        return [t * self.factor for t in delta]
+
+
+class FlipsSign(Behaviour):
+    def sent(self, delta: list[Tensor]) -> list[Tensor]:
+        return [-t for t in delta]
+
+
+class SendsNoise(Behaviour):
+    def sent(self, delta: list[Tensor]) -> list[Tensor]:
+        norm = math.sqrt(sum(float(t.double().square().sum()) for t in delta))
+        noise = [torch.randn_like(t) for t in delta]
+        noise_norm = math.sqrt(sum(float(t.double().square().sum()) for t in noise)) or 1.0
+        return [t * (norm / noise_norm) for t in noise]
+
+
+def _signed_for(header: ContributionHeader, version: int) -> ContributionHeader:
+    return dataclasses.replace(
+        header, version=version, base_version=min(header.base_version, version)
+    )
+
+
+class SignsStale(Behaviour):
+    def header(self, header: ContributionHeader, delta: Sequence[Tensor]) -> ContributionHeader:
+        v = header.version
+        return _signed_for(header, v - 1 if v > 0 else v + 1)
+
+
+class Forges(Behaviour):
+    def signer(self, identity: Identity) -> Identity:
+        return Identity.generate()
+
+
+class Replays(Behaviour):
+    def __init__(self) -> None:
+        self._previous: tuple[list[Tensor], bytes] | None = None
+
+    def replayed(self) -> tuple[list[Tensor], bytes] | None:
+        return self._previous
+
+    def header(self, header: ContributionHeader, delta: Sequence[Tensor]) -> ContributionHeader:
+        # only reached with nothing to replay yet: sign for the next round instead
+        return _signed_for(header, header.version + 1)
+
+    def remember(self, sent: list[Tensor], gather: bytes) -> None:
+        self._previous = ([t.clone() for t in sent], gather)
+
+
+class WrongShape(Behaviour):
+    def header(self, header: ContributionHeader, delta: Sequence[Tensor]) -> ContributionHeader:
+        wrong = shapes_digest([*(t.shape for t in delta), (1,)])
+        return dataclasses.replace(header, numel=header.numel + 1, shapes=wrong)
+
+    def tamper(self, flat: Tensor) -> Tensor:
+        return torch.cat([flat, flat.new_zeros(1)])
+
+
+_BEHAVIOURS: dict[str, type[Behaviour]] = {
+    "nan": SendsNaN,
+    "scale": Scales,
+    "signflip": FlipsSign,
+    "random": SendsNoise,
+    "stale": SignsStale,
+    "forge": Forges,
+    "replay": Replays,
+    "wrong-shape": WrongShape,
+}
+CHAOS_MODES = tuple(_BEHAVIOURS)
+
+
+@dataclass(frozen=True)
+class Chaos:
+    """A `--chaos` mode as parsed: `MODE`, or `scale=FACTOR`."""
+
+    mode: str
+    factor: float = 1000.0
+
+    @classmethod
+    def parse(cls, text: str) -> Chaos:
+        """`MODE` or `scale=FACTOR`; ConfigError otherwise."""
+        mode, _, value = text.partition("=")
+        if mode not in CHAOS_MODES:
+            raise ConfigError(f"unknown chaos mode {text!r}; choose {', '.join(CHAOS_MODES)}")
+        if mode != "scale":
+            if value:
+                raise ConfigError(f"chaos mode {mode} takes no value")
+            return cls(mode)
+        try:
+            factor = float(value or 1000)
+        except ValueError:
+            raise ConfigError(f"chaos scale needs a number, got {value!r}") from None
+        if not math.isfinite(factor):
+            raise ConfigError("chaos scale must be finite")
+        return cls(mode, factor)
+
+    def behaviour(self) -> Behaviour:
+        """A fresh behaviour of this mode (it may remember what it sent)."""
+        kind = _BEHAVIOURS[self.mode]
+        return Scales(self.factor) if kind is Scales else kind()

@@ -1,0 +1,168 @@
+"""This peer's head on the DHT (DESIGN §3 step 1): what it publishes about itself, the others'
+heads it reads into the `HeadBook`, and the heartbeat that keeps its own head alive.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hivemind.dht import DHT
+
+from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free.swarm_view import HEAD_TTL_S, HeadBook, SwarmView
+from diloco_peer.identity import Identity
+from diloco_peer.lifecycle import BackgroundPart, ready_now
+from diloco_peer.peer.faults import FaultPlan
+from diloco_peer.peer.replica import Replica
+from diloco_peer.peer.telemetry import Counters
+
+log = logging.getLogger(__name__)
+
+DHT_TIMEOUT_S = 10.0
+"""Reading or publishing heads (and the manifest), and downloading one update."""
+
+
+@dataclass
+class Activity:
+    """What this peer is doing, as its head tells the swarm."""
+
+    eta: float | None = None
+    """DHT time at which the current phase should end; None when not training (async groups
+    wait only for peers expected within the grace period)."""
+    plan: dict[str, int] | None = None
+    """Samples per shard the current phase trains (published with `eta`)."""
+
+    def idle(self) -> None:
+        """The phase's samples are in the state now (or will never be): no longer in flight."""
+        self.eta = None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Where a head's fields come from, each read when the head is published."""
+
+    speed: Callable[[], float | None]
+    """Measured inner steps per second."""
+    batch_size: int
+    client_mode: Callable[[], bool]
+    bans: Callable[[], dict[str, str] | None]
+    resources: Callable[[], dict[str, float | None]]
+
+
+class HeadChannel:
+    """Publishes this peer's head and reads the others' (every wait bounded: DHT_TIMEOUT_S)."""
+
+    def __init__(
+        self,
+        dht: Callable[[], DHT | None],
+        identity: Identity,
+        run_name: str,
+        *,
+        allow: Callable[[str], bool],
+        replica: Replica,
+        counters: Counters,
+        activity: Activity,
+        facts: Facts,
+        faults: FaultPlan,
+    ) -> None:
+        self._dht, self._identity, self._run = dht, identity, run_name
+        self._allow, self._replica, self._counters = allow, replica, counters
+        self._activity, self._facts, self._faults = activity, facts, faults
+        self.me = identity.peer_id_str
+        self.book = HeadBook(self.me, ttl_s=HEAD_TTL_S)
+
+    def head(self, in_group: bool = False, leaving: bool = False) -> records.PeerHead:
+        speed = self._facts.speed() or 0.0
+        eta, plan = self._activity.eta, self._activity.plan
+        return records.PeerHead(
+            # A departing peer's head says "seen at time 0": readers drop it as stale at once,
+            # instead of waiting HEAD_TTL_S for its record to expire.
+            **({"updated": 0.0} if leaving else {}),
+            peer_id=self.me,
+            version=self._replica.version,
+            state_hash=self._replica.published_hash,
+            speed=speed,
+            samples_per_s=speed * self._facts.batch_size,
+            loss=self._counters.last_loss,
+            in_group=in_group,
+            eta=eta,
+            plan=plan if eta is not None else None,
+            bans=self._facts.bans(),
+            client=self._facts.client_mode(),
+            **self._facts.resources(),
+        )
+
+    def publish(self, in_group: bool = False, leaving: bool = False) -> None:
+        """Store this peer's head; a DHT that does not answer in time is logged, not raised."""
+        dht = self._dht()
+        if dht is None:
+            return
+        head = self.head(in_group, leaving)
+        try:
+            records.publish_head(
+                dht, self._identity, self._run, head,
+                expiration_s=HEAD_TTL_S, timeout_s=DHT_TIMEOUT_S,
+            )  # fmt: skip
+        except records.SwarmTimeout as e:
+            log.warning("[%s round=%d] %s", self.me[-6:], self._replica.version, e)
+
+    def live(self) -> dict[str, records.PeerHead]:
+        """Read the heads into the book; the live ones (HeadBook.live)."""
+        dht = self._dht()
+        try:
+            heads = (
+                records.read_heads(dht, self._run, timeout_s=DHT_TIMEOUT_S, allow=self._allow)
+                if dht is not None
+                else {}
+            )
+        except records.SwarmTimeout as e:
+            log.warning("[%s round=%d] %s", self.me[-6:], self._replica.version, e)
+            heads = {}
+        self.book.merge(heads)
+        c = self._counters
+        if self._faults.hides_others(c.rounds_done, c.started_training):
+            return {p: h for p, h in self.book.seen.items() if p == self.me}
+        return self.book.live(time.time())
+
+    def view(self) -> SwarmView:
+        """The swarm as this peer sees it now (one DHT read)."""
+        return SwarmView(self.me, self._replica.version, self._replica.published_hash, self.live())
+
+
+class Heartbeat(BackgroundPart):
+    """Republishes the head every HEAD_TTL_S / 4 (not while paused), so others keep this peer
+    live. It logs any failure and keeps beating: a heartbeat that stopped would make every
+    other peer drop this one."""
+
+    def __init__(
+        self, publish: Callable[[], None], paused: threading.Event, period_s: float = HEAD_TTL_S / 4
+    ) -> None:
+        super().__init__()
+        self._publish, self._paused, self._period_s = publish, paused, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self.failures = 0
+
+    def _begin(self) -> concurrent.futures.Future[None]:
+        self._thread.start()
+        return ready_now()
+
+    def _end(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=DHT_TIMEOUT_S + 5.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            if self._paused.is_set():
+                continue  # a paused peer stays out of the others' live set
+            try:
+                self._publish()
+            except Exception as e:  # never let the heartbeat die: the others would drop us
+                self.failures += 1
+                log.warning("heartbeat failed (%d so far): %r", self.failures, e)

@@ -1,0 +1,256 @@
+"""A peer's network parts (DESIGN §2): its DHT node and P2P service, the manifest it agrees on,
+the dial-back probe, and the servers it runs (averager, state server, dial-back server).
+
+    node = open_node(spec, key_path, validators, port=spec.port, client_mode=probing)
+    signed = agree_on_manifest(node.dht, identity, spec.run_name, founding, stored)
+    verdict, port = probe_reachability(node, spec.swarm, prefix)   # a joiner that was not told
+    node = node.reopen(...)                                          # ... reachable: a full peer
+    net = Network.serve(node, prefix, ...)                           # averager + servers, ready
+    ...
+    net.shutdown()                                                   # servers, service, DHT
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hivemind.dht import DHT
+from hivemind.dht.validation import RecordValidatorBase
+from multiaddr import Multiaddr
+
+from diloco_peer.averaging.group_averager import GroupAverager
+from diloco_peer.averaging.robust import Aggregation
+from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.coordinator_free import reachability, records
+from diloco_peer.coordinator_free.allowlist import Allowlist
+from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest
+from diloco_peer.coordinator_free.reachability import DialBackServer
+from diloco_peer.coordinator_free.state_transfer import StateBlob, StateServer
+from diloco_peer.coordinator_free.swarm_view import HEAD_TTL_S
+from diloco_peer.errors import BadInput, P2PServiceStopped
+from diloco_peer.identity import Identity
+from diloco_peer.p2p.service import P2PService
+from diloco_peer.peer.catch_up import SwarmDownloads
+from diloco_peer.peer.faults import FaultPlan
+from diloco_peer.peer.heads import DHT_TIMEOUT_S
+from diloco_peer.peer.trust import Guard
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 30.0
+"""Each part's setup (the service's replica, the averager's and servers' handlers)."""
+REACHABILITY_TIMEOUT_S = 10.0
+"""A joiner's dial-back probe (reachability.py): at most this long before it trains."""
+
+
+def load_allowlist(path: str | None, run_name: str, peer_id: str) -> Allowlist | None:
+    """`--allowlist`, checked for this run and this peer (its owner is checked against the
+    manifest's once that is known: `allowed_by`)."""
+    if not path:
+        return None
+    allowlist = Allowlist.load(path, run=run_name)
+    if not allowlist.allows(peer_id):
+        raise BadInput(f"this peer's key ({peer_id}) is not on the allowlist")
+    return allowlist
+
+
+def allowed_by(allowlist: Allowlist | None, owner_peer_id: str) -> Callable[[str], bool]:
+    """The allowlist's membership test (everyone is allowed without one); BadInput unless the
+    run owner signed it."""
+    if allowlist is None:
+        return lambda peer: True
+    if allowlist.owner_peer_id != owner_peer_id:
+        raise BadInput(
+            f"--allowlist is signed by {allowlist.owner_peer_id}, not by the run owner "
+            f"{owner_peer_id}"
+        )
+    return allowlist.allows
+
+
+def run_prefix(run_name: str) -> str:
+    """Names the run's streams and group keys (hivemind allows no '.' or '-' in them)."""
+    return "dp_" + hashlib.sha256(run_name.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Node:
+    """This peer's DHT node (and libp2p daemon) with the process's P2P service on it."""
+
+    dht: DHT
+    service: P2PService
+    client_mode: bool
+    """Dial out only: `--client-mode`, or a joiner no swarm peer could dial (or not yet probed)."""
+
+    def shutdown(self) -> None:
+        self.service.shutdown()
+        self.dht.shutdown()
+
+
+def open_node(
+    spec: PeerSpec,
+    key_path: Path,
+    validators: list[RecordValidatorBase],
+    *,
+    port: int,
+    client_mode: bool,
+    identity_checked: bool = True,
+) -> Node:
+    """Start the DHT node on `spec.host:port` and a ready P2P service on it; BadInput if the
+    node cannot start (a bad address, a busy port, a key already in use)."""
+    try:
+        dht = DHT(
+            start=True,
+            identity_path=str(key_path),
+            host_maddrs=[f"/ip4/{spec.host}/tcp/{port}"],
+            announce_maddrs=list(spec.announce) or None,
+            initial_peers=list(spec.swarm),
+            record_validators=validators,
+            startup_timeout=30,
+            client_mode=client_mode,
+            # a restart after the reachability probe reuses the key of the node it replaces
+            check_if_identity_free=identity_checked,
+        )
+    except Exception as e:  # hivemind reports bad addresses and busy ports this way
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise BadInput(f"cannot start the peer's network node: {reason}") from None
+    service = P2PService(dht)
+    service.start()
+    service.wait_until_ready(timeout_s=READY_TIMEOUT_S)
+    return Node(dht, service, client_mode)
+
+
+def agree_on_manifest(
+    dht: DHT,
+    identity: Identity,
+    run_name: str,
+    founding: tuple[RunSpec, SwarmSettings] | None,
+    stored: SignedManifest | None,
+) -> SignedManifest:
+    """The founder publishes the run's manifest (a restarted founder keeps the one its
+    checkpoint holds); a joiner fetches and verifies it."""
+    if founding is None:
+        return records.fetch_manifest(dht, run_name, timeout_s=DHT_TIMEOUT_S)
+    run, swarm = founding
+    signed = stored or Manifest.create(run_name, run, swarm, identity)
+    records.publish_manifest(
+        dht, identity, signed, expiration_s=HEAD_TTL_S * 10, timeout_s=DHT_TIMEOUT_S
+    )
+    return signed
+
+
+def probe_reachability(
+    node: Node, swarm: Sequence[str], prefix: str
+) -> tuple[reachability.Verdict, int]:
+    """Ask a swarm peer to dial this (client-mode) node on its port (reachability.py); the
+    verdict and the port asked about."""
+    port = 0
+    for maddr in node.dht.get_visible_maddrs():
+        with contextlib.suppress(Exception):  # an address without a TCP port
+            port = int(maddr.value_for_protocol("tcp"))
+            break
+    servers = list(dict.fromkeys(Multiaddr(a).value_for_protocol("p2p") for a in swarm))
+    verdict = reachability.Verdict("unknown", "no port or no swarm peer to ask")
+    if port and servers:
+        try:
+            verdict = reachability.probe(
+                node.service, prefix, servers, port=port, timeout_s=REACHABILITY_TIMEOUT_S
+            )
+        except (TimeoutError, P2PServiceStopped) as e:
+            verdict = reachability.Verdict("unknown", f"the probe failed: {e!r}")
+    return verdict, port
+
+
+def become_reachable(
+    node: Node,
+    spec: PeerSpec,
+    prefix: str,
+    key_path: Path,
+    validators: list[RecordValidatorBase],
+    report: Callable[[reachability.Verdict, int], None],
+) -> Node:
+    """A joiner started in client mode asks a swarm peer to dial it. If one did, or none
+    answered, it starts over as a full peer on the same port (the node returned); if none
+    could, it stays a client rather than stall every group that would count on reaching it."""
+    verdict, port = probe_reachability(node, spec.swarm, prefix)
+    report(verdict, port)
+    me = node.service.peer_id[-6:]
+    if verdict.status == "private":
+        log.warning(
+            "[%s] no swarm peer can dial this machine (%s): taking part in client mode "
+            "(dial out only; see `diloco-peer doctor`, or forward a port and pass --announce)",
+            me, verdict.detail,
+        )  # fmt: skip
+        return node
+    log.info("[%s] reachability: %s (%s)", me, verdict.status, verdict.detail)
+    node.shutdown()
+    return open_node(spec, key_path, validators, port=port, client_mode=False,
+                     identity_checked=False)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Network:
+    """The running network parts of one peer; `shutdown` stops them in order."""
+
+    node: Node
+    prefix: str
+    averager: GroupAverager
+    server: StateServer
+    dialback: DialBackServer | None
+
+    @property
+    def dht(self) -> DHT:
+        return self.node.dht
+
+    @property
+    def client_mode(self) -> bool:
+        return self.node.client_mode
+
+    def downloads(self) -> SwarmDownloads:
+        return SwarmDownloads(self.node.service, self.server.run)
+
+    @classmethod
+    def serve(
+        cls,
+        node: Node,
+        prefix: str,
+        *,
+        run: RunSpec,
+        swarm: SwarmSettings,
+        guard: Guard,
+        faults: FaultPlan,
+        blob: Callable[[], StateBlob | None],
+        updates: Callable[[int], bytes | None],
+        allow: Callable[[str], bool],
+    ) -> Network:
+        """Start the averager and the servers on `node` and wait until they serve."""
+        averager = GroupAverager(
+            node.service, prefix, compression=run.compression,
+            prune_fraction=run.prune_fraction,
+            aggregation=Aggregation(method=swarm.aggregation, min_cosine=(
+                None if swarm.min_cosine <= -1 else swarm.min_cosine)),
+            on_group=faults.group_hook(), tamper=guard.tamper, client_mode=node.client_mode,
+        )  # fmt: skip
+        server = StateServer(node.service, prefix, blob, updates=updates, allow=allow)
+        # joiners ask a peer that accepts connections whether they can be dialed
+        dialback = None if node.client_mode else DialBackServer(node.service, prefix)
+        parts = [p for p in (averager, server, dialback) if p is not None]
+        for part in parts:
+            part.start()
+        for part in parts:
+            part.wait_until_ready(timeout_s=READY_TIMEOUT_S)
+        return cls(node, prefix, averager, server, dialback)
+
+    def shutdown(self) -> None:
+        """Servers first (best effort: we are leaving anyway), then the service and the DHT."""
+        for part in (self.dialback, self.server, self.averager):
+            if part is not None:
+                try:
+                    part.shutdown()
+                except Exception as e:
+                    log.debug("shutdown: %s", e)
+        self.node.shutdown()

@@ -1,0 +1,375 @@
+"""One local phase (DESIGN §3 steps 2-3): plan its steps and shards, train from θ_global, return
+the pseudo-gradient δ = θ_global − θ_local with the samples it trained per shard.
+
+Plan: H steps in sync mode, DyLU (Eq. 6) over the speeds live peers publish in async mode (a
+peer without a measured speed first runs a short probe phase); each step goes to the shard
+furthest below its share (Eq. 2's terms, filled exactly by `fill_shards`), counting what the
+others have in flight. Async: the phase publishes when it should end (`Activity.eta`), and
+rather than idle until peers expected within the grace period arrive, it keeps training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hivemind.utils import get_dht_time
+
+from diloco_peer.averaging.outer import build_outer_optimizer
+from diloco_peer.averaging.state import ReplicatedState
+from diloco_peer.config import DEFAULT_SHARDS, PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free.dylu import dylu_steps
+from diloco_peer.coordinator_free.sampler import fill_shards
+from diloco_peer.coordinator_free.swarm_view import SwarmView
+from diloco_peer.errors import BadInput
+from diloco_peer.peer.data import ShardStream, TokenDataset, build_dataset, iid_shards
+from diloco_peer.peer.delta import Contribution
+from diloco_peer.peer.heads import Activity
+from diloco_peer.peer.inner import (
+    InnerTrainer,
+    Schedule,
+    evaluate_loss,
+    perplexity,
+    prepare_replica,
+)
+from diloco_peer.peer.model import build_model, resolve_device
+from diloco_peer.peer.telemetry import Counters
+
+ETA_REFRESH_S = 1.0
+"""Async: how often (at most) a training peer re-checks its phase's end and the extension loop
+re-reads the others' (`_refresh_eta`, `_extend`)."""
+ETA_DRIFT_S = 0.5
+"""Async: a phase's end moved by more than this is published again."""
+
+
+class StopRequested(Exception):
+    """Raised inside the inner loop when SIGINT/SIGTERM asked the peer to stop."""
+
+
+class PhasePaused(Exception):
+    """SIGUSR1 asked the peer to pause mid-phase; carries what the phase did so far (it is
+    contributed after the pause: stale, not lost)."""
+
+    def __init__(self, partial: Contribution) -> None:
+        super().__init__(partial.steps)
+        self.partial = partial
+
+
+class _Pause(Exception):
+    """Inside the inner loop: a pause after `steps` steps of the phase."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(steps)
+        self.steps = steps
+
+
+@dataclass
+class Training:
+    """What one machine trains with: data, shards and their streams, the model and its inner
+    optimizer, the replicated state, and a CPU model that holds θ_global for evaluation."""
+
+    data: TokenDataset
+    device: torch.device
+    trainer: InnerTrainer
+    shards: list[Any]
+    streams: list[ShardStream]
+    schedule: Schedule
+    state: ReplicatedState
+    eval_model: torch.nn.Module
+
+    def eval_ppl(self) -> float:
+        """Held-out perplexity of θ_global."""
+        with torch.no_grad():
+            for p, t in zip(self.eval_model.parameters(), self.state.theta, strict=True):
+                p.copy_(t)
+        return perplexity(evaluate_loss(self.eval_model, self.data.val))
+
+
+def build_training(
+    run: RunSpec, swarm: SwarmSettings, spec: PeerSpec, peer_id: str, manifest_digest: str
+) -> Training:
+    """The data, model, trainer and replicated state of `run` on this machine."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    data = build_dataset(
+        spec.data or run.data, run.tokenizer, run.seq_len, run.val_sequences, run.max_tokens,
+        run.seed,
+    )  # fmt: skip
+    device = resolve_device(spec.device)
+    init = build_model(run.model, data.vocab_size, run.seed, max_seq_len=run.seq_len)
+    model = build_model(run.model, data.vocab_size, run.seed, run.seq_len)
+    micro = prepare_replica(
+        model, run, device, data.vocab_size, micro_batch_size=spec.micro_batch_size,
+        gpu_memory_fraction=spec.gpu_memory_fraction,
+    )  # fmt: skip
+    trainer = InnerTrainer(model, run, device, micro_batch_size=micro or None)
+    num_shards = run.num_shards or DEFAULT_SHARDS
+    if spec.shard >= num_shards:
+        raise BadInput(f"--shard {spec.shard} is out of range: the run has {num_shards}")
+    shards = iid_shards(len(data.train), num_shards, run.seed)
+    # Each peer walks each shard in its own order, so two peers never train the same batches;
+    # a pinned shard is walked in its canonical order, the simulator's.
+    salt = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big")
+    streams = [
+        ShardStream(
+            data.train,
+            idx,
+            run.batch_size,
+            seed=run.seed + s if spec.shard == s else salt * 1000 + s,
+        )  # fmt: skip
+        for s, idx in enumerate(shards)
+    ]
+    outer = build_outer_optimizer(
+        run.outer_optimizer, lr=run.outer_lr, momentum=run.outer_momentum,
+        **({"buffer_size": run.dn_buffer_size or swarm.expected_peers or 1, "c": run.dn_c}
+           if run.outer_optimizer == "delayed-nesterov" else {}),
+    )  # fmt: skip
+    state = ReplicatedState([p.detach() for p in init.parameters()], outer, num_shards,
+                            manifest_digest)  # fmt: skip
+    schedule = Schedule.for_run(run, total_steps=run.schedule_steps or 10_000)
+    return Training(data, device, trainer, shards, streams, schedule, state, init)
+
+
+def head_plan(plan: list[int], batch: int) -> dict[str, int]:
+    """A phase's steps per shard as a head publishes them: samples per shard, the largest
+    `records.MAX_PLAN_SHARDS` shards only."""
+    top = sorted((n, s) for s, n in enumerate(plan) if n)[-records.MAX_PLAN_SHARDS :]
+    return {str(s): n * batch for n, s in sorted(top, key=lambda x: x[1])}
+
+
+@dataclass(frozen=True)
+class Controls:
+    """How the rest of the peer steers a phase."""
+
+    stop: threading.Event
+    paused: threading.Event
+    on_step: Callable[[int, int, float], None]
+    """Progress: (steps done, steps planned, loss)."""
+    publish_head: Callable[[], None]
+    expected_until: Callable[[], float | None]
+    """Async: the latest end of the phases of peers expected within the grace period."""
+
+
+class Phase:
+    """Plans and trains one local phase at a time (see the module docstring)."""
+
+    def __init__(
+        self,
+        training: Training,
+        *,
+        run: RunSpec,
+        swarm: SwarmSettings,
+        me: str,
+        pinned_shard: int,
+        throttle: float,
+        in_flight: Callable[[list[int], int], list[int]],
+        activity: Activity,
+        counters: Counters,
+        controls: Controls,
+    ) -> None:
+        self.t, self.run, self.swarm, self.me = training, run, swarm, me
+        self.pinned_shard, self.throttle = pinned_shard, throttle
+        self._in_flight, self.activity, self.counters = in_flight, activity, counters
+        self.controls = controls
+        self._last_step_t = 0.0
+        self._eta_checked = 0.0  # perf_counter of the last _refresh_eta check
+
+    # ----- planning
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.swarm.protocol == "async"
+
+    def probe_steps(self) -> int:
+        return max(1, min(3, self.run.inner_steps // 4))
+
+    def steps_of(self, view: SwarmView) -> dict[str, int]:
+        """DyLU steps (Eq. 6) of this peer and of every live peer that published a speed."""
+        speeds = view.speeds(self.t.trainer.speed.steps_per_s)
+        return dylu_steps(speeds, self.run.inner_steps) if speeds else {}
+
+    def plan_steps(self, view: SwarmView) -> int:
+        """H in sync mode; in async mode DyLU over the speeds live peers publish, or a short
+        probe phase (at most 3 steps) until this peer has measured its own speed, so a slow
+        device learns it is slow before it holds the others up."""
+        if not self.asynchronous:
+            return self.run.inner_steps
+        if self.t.trainer.speed.steps_per_s is None:
+            return self.probe_steps()
+        return self.steps_of(view)[self.me]
+
+    def unseen_steps(self, view: SwarmView, co_planners: list[str]) -> int:
+        """Steps others plan at the same moment (SwarmView.unseen_steps)."""
+        return view.unseen_steps(
+            synchronous=not self.asynchronous, inner_steps=self.run.inner_steps,
+            co_planners=co_planners, steps_of=self.steps_of(view) if self.asynchronous else {},
+            probe_steps=self.probe_steps(),
+        )  # fmt: skip
+
+    def _shard_counts(self) -> list[int]:
+        state = self.t.state
+        return self._in_flight(
+            list(state.shard_samples), state.version - self.swarm.staleness_limit
+        )
+
+    def plan_shards(self, steps: int, others: int = 0) -> list[int]:
+        """Steps per shard: the pinned `--shard`, or each step to the shard furthest below its
+        share, this phase taking its part of a fill shared with `others` steps planned at the
+        same time."""
+        if self.pinned_shard >= 0:
+            plan = [0] * len(self.t.shards)
+            plan[self.pinned_shard] = steps
+            return plan
+        rng = random.Random(f"{self.me}/{self.t.state.version}/{self.counters.rounds_done}")
+        return fill_shards(
+            [len(s) for s in self.t.shards], self._shard_counts(), steps, self.run.batch_size,
+            rng, others=others,
+        )  # fmt: skip
+
+    # ----- training
+
+    def train(self, steps: int, others: int = 0) -> tuple[Contribution, float]:
+        """One local phase of `steps` steps from the state's θ (one segment per shard, each at
+        its shard's own lr step, Eq. 3); async may extend it. Returns the contribution and the
+        mean loss. Raises PhasePaused or StopRequested."""
+        plan = self.plan_shards(steps, others)
+        base = self.t.state.version
+        done = [0] * len(plan)  # steps trained per shard in this phase
+        self._last_step_t = time.perf_counter()
+        phase_t0, offset = time.perf_counter(), [0]  # steps of the phase before the segment
+        on_step = self._step_callback(steps, phase_t0, offset)
+        if not self.counters.started_training:
+            self.counters.t_first_train = time.time()
+        self._announce(steps, plan)
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        self.t.trainer.load_params(self.t.state.theta)
+        try:
+            for shard, count in enumerate(plan):
+                if count == 0:
+                    continue
+                loss, _ = self.t.trainer.train(
+                    count, self._batches(shard, done), self.t.schedule, self._shard_step(shard),
+                    on_step=on_step,
+                )  # fmt: skip
+                loss_sum += loss * count
+                offset[0] += count
+        except _Pause as p:
+            self.counters.compute_s += time.perf_counter() - t0
+            delta = self.t.trainer.delta_from(self.t.state.theta)
+            self.activity.idle()
+            raise PhasePaused(Contribution(delta, base, self._samples(done), p.steps)) from None
+        extra = self._extend(steps, done, on_step)
+        if extra:
+            loss_sum += extra[1] * extra[0]
+            steps += extra[0]
+        delta = self.t.trainer.delta_from(self.t.state.theta)
+        self.counters.compute_s += time.perf_counter() - t0
+        # The eta (now past) and the plan stay in the head until the δ is applied or kept: a
+        # head that catch-up publishes between the phase and the group search must not say
+        # "not training", or a peer finishing at the same moment applies alone while this one
+        # waits the grace period for it in vain (seen in the bench).
+        self.counters.started_training = True
+        return Contribution(delta, base, self._samples(done), steps), loss_sum / steps
+
+    def _step_callback(
+        self, steps: int, phase_t0: float, offset: list[int]
+    ) -> Callable[[int, float], None]:
+        controls = self.controls
+
+        def on_step(i: int, loss: float) -> None:
+            if controls.paused.is_set() and offset[0] + i < steps:
+                raise _Pause(offset[0] + i)
+            if self.throttle > 1.0:  # emulate a slower device: pad the step just taken
+                controls.stop.wait(
+                    (self.throttle - 1.0) * (time.perf_counter() - self._last_step_t)
+                )
+            self._last_step_t = time.perf_counter()
+            self._refresh_eta(offset[0] + i, steps, phase_t0)
+            controls.on_step(min(offset[0] + i, steps), steps, loss)
+            if controls.stop.is_set():
+                raise StopRequested
+
+        return on_step
+
+    def _announce(self, steps: int, plan: list[int]) -> None:
+        """Async: tell the swarm when this phase should end (async groups wait only for peers
+        expected within the grace period) and which shards it trains."""
+        speed = self.t.trainer.speed.steps_per_s
+        if self.asynchronous and speed:
+            self.activity.eta = get_dht_time() + steps / speed
+            self.activity.plan = head_plan(plan, self.run.batch_size)
+            self.controls.publish_head()
+            self._eta_checked = time.perf_counter()
+
+    def _refresh_eta(self, done: int, planned: int, since: float) -> None:
+        """Async: publish the phase's end again when the pace measured in this phase (steps
+        `done` of `planned` since `since`) moved it by more than ETA_DRIFT_S: a peer sharing its
+        device, or slowed by others, would otherwise be waited for at the wrong time."""
+        now = time.perf_counter()
+        eta = self.activity.eta
+        if eta is None or done < 2 or done >= planned or now - self._eta_checked < ETA_REFRESH_S:
+            return
+        self._eta_checked = now
+        new = get_dht_time() + (planned - done) * (now - since) / done
+        if abs(new - eta) > ETA_DRIFT_S:
+            self.activity.eta = new
+            self.controls.publish_head()
+
+    def _batches(self, shard: int, done: list[int]) -> Callable[[], list[torch.Tensor]]:
+        """The batch source of one shard for `InnerTrainer.train`; counts the steps it serves."""
+
+        def next_batches() -> list[torch.Tensor]:
+            done[shard] += 1
+            return [self.t.streams[shard].next_batch()]
+
+        return next_batches
+
+    def _shard_step(self, shard: int) -> int:
+        """The shard's own lr step (Eq. 3): the steps the state holds on it."""
+        return self.t.state.shard_samples[shard] // self.run.batch_size
+
+    def _samples(self, done: list[int]) -> dict[int, int]:
+        return {s: n * self.run.batch_size for s, n in enumerate(done) if n}
+
+    def _extend(
+        self, planned: int, done: list[int], on_step: Callable[[int, float], None]
+    ) -> tuple[int, float] | None:
+        """Async: rather than idle until peers expected within the grace period arrive, keep
+        training (at most as many steps again as planned) until the latest of them should be
+        done, each extra step on the shard furthest below its share. Returns (extra steps,
+        their mean loss), or None."""
+        speed = self.t.trainer.speed.steps_per_s
+        if not self.asynchronous or not speed:
+            return None
+        until = self.controls.expected_until()
+        if until is None:
+            return None
+        step_s, read = 1.0 / speed, time.perf_counter()
+        counts = self._shard_counts()
+        sizes = [len(s) for s in self.t.shards]
+        rng = random.Random(f"{self.me}/{self.t.state.version}/{self.counters.rounds_done}/extend")
+        extra, loss_sum = 0, 0.0
+        while extra < planned and until is not None and get_dht_time() + step_s <= until:
+            if self.pinned_shard >= 0:
+                shard = self.pinned_shard
+            else:
+                mine = [c + d * self.run.batch_size for c, d in zip(counts, done, strict=True)]
+                shard = fill_shards(sizes, mine, 1, self.run.batch_size, rng).index(1)
+            step = self._shard_step(shard) + done[shard]
+            loss, _ = self.t.trainer.train(
+                1, self._batches(shard, done), self.t.schedule, step,
+                on_step=lambda i, value: on_step(planned, value),
+            )  # fmt: skip
+            loss_sum += loss
+            extra += 1
+            if time.perf_counter() - read >= ETA_REFRESH_S:  # they may have arrived or slipped
+                until, read = self.controls.expected_until(), time.perf_counter()
+        return (extra, loss_sum / extra) if extra else None

@@ -1,0 +1,128 @@
+"""This peer's copy of the replicated state (DESIGN §3): the state, the serialised blob it serves,
+and the log of applied updates it keeps for others to replay.
+
+The blob is the state as last published: catch-up and the round change `state` in place and
+either `snapshot()` (the change is kept, the head moves) or `restore()` (back to the blob). The
+blob's hash is the one the peer's head advertises while the state is being changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from diloco_peer.averaging.state import ReplicatedState
+from diloco_peer.coordinator_free.state_transfer import StateBlob
+from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
+from diloco_peer.errors import BadInput, ConfigError
+from diloco_peer.peer.checkpoint import atomic_write, safetensors_metadata
+
+log = logging.getLogger(__name__)
+
+
+class Replica:
+    """The state, its published snapshot, and the update log (with `--record-updates` on disk)."""
+
+    def __init__(
+        self, state: ReplicatedState, updates: UpdateLog, record_dir: str | None = None
+    ) -> None:
+        self.state = state
+        self.updates = updates
+        self.record_dir = Path(record_dir) if record_dir else None
+        self.blob: StateBlob | None = None
+
+    # ----- the published snapshot
+
+    def snapshot(self) -> None:
+        """Cache the serialised state the state server hands out (immutable bytes)."""
+        data = st_save(self.state.tensors(), metadata=self.state.metadata())
+        self.blob = StateBlob(version=self.state.version, state_hash=self.state.hash(), data=data)
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    @property
+    def published_hash(self) -> str:
+        """The hash this peer advertises: the snapshot's (the state's before the first one)."""
+        return self.state.hash() if self.blob is None else self.blob.state_hash
+
+    @property
+    def published_version(self) -> int:
+        return self.blob.version if self.blob is not None else self.state.version
+
+    def restore(self) -> None:
+        """Back to the state of the snapshot (our last published version)."""
+        if self.blob is not None and self.state.hash() != self.blob.state_hash:
+            self.load(self.blob.data)
+
+    def load(self, data: bytes) -> None:
+        """Replace the state by serialised bytes (a download, or the snapshot); ConfigError if
+        they are not a valid state of this run."""
+        try:
+            metadata = safetensors_metadata(data, len(data), "downloaded state")
+            tensors = st_load(data)
+        except Exception as e:
+            raise ConfigError(f"downloaded state is not a valid safetensors blob ({e})") from e
+        self.state.load(tensors, metadata)
+
+    # ----- updates
+
+    def commit(
+        self,
+        average: Sequence[torch.Tensor],
+        members: Sequence[str],
+        shard_samples: dict[int, int],
+    ) -> UpdateRecord:
+        """Apply a group's average as the next version (identical on every member), keep the
+        update for replay and publish the new snapshot."""
+        base_version, base_hash = self.state.version, self.published_hash
+        self.state.apply(average, len(members), shard_samples)
+        record = UpdateRecord(
+            base_version=base_version, base_hash=base_hash, result_hash=self.state.hash(),
+            count=len(members), shard_samples=dict(shard_samples),
+            average=tuple(a.to("cpu", torch.float32).contiguous() for a in average),
+            info={"members": ",".join(members)},
+        )  # fmt: skip
+        self.keep(record)
+        self.snapshot()
+        return record
+
+    def apply_record(self, record: UpdateRecord) -> None:
+        """Apply one replayed update; ValueError unless it gives the hash its record names."""
+        self.state.apply(list(record.average), record.count, record.shard_samples)
+        if self.state.hash() != record.result_hash:
+            raise ValueError(f"update {record.base_version} gives another state hash")
+
+    def keep(self, record: UpdateRecord) -> None:
+        """Keep an applied update for others to replay (and on disk with --record-updates)."""
+        self.updates.append(record)
+        if self.record_dir is not None:
+            path = self.record_dir / f"update-{record.base_version:08d}.safetensors"
+            data = self.updates.get(record.base_version) or record.to_bytes()
+            atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+    def record_state(self, version: int, data: bytes) -> None:
+        """With --record-updates, a downloaded full state: the replay of recorded updates
+        restarts from it."""
+        if self.record_dir is not None:
+            path = self.record_dir / f"state-{version:08d}.safetensors"
+            atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def prepare_record_dir(folder: str | None) -> None:
+    """`--record-updates`: a usable folder that holds no updates yet, or BadInput."""
+    if not folder:
+        return
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"--record-updates folder {path} is not usable ({e.strerror})") from None
+    if any(path.glob("update-*.safetensors")):
+        raise BadInput(f"--record-updates folder {path} already holds updates; use a new one")

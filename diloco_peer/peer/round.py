@@ -1,0 +1,283 @@
+"""The round (DESIGN §3 steps 4-5): contribute a δ to a group at this peer's version, apply the
+group's average, or keep the δ for a later group; the outcome is a typed value.
+
+Sync mode waits for every live peer (bounded by the sync timeout); async mode waits only for the
+peers already looking for a group at our state and those whose phase ends within the grace
+period, and with nobody to wait for applies its δ alone (a group of one, Lookahead). A failed
+group keeps δ for the next one; a δ older than the staleness limit is dropped and counted; a
+δ on the losing branch of a fork is contributed again (`Ledger.recontribute`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hivemind.utils import get_dht_time
+
+from diloco_peer.averaging.group_averager import GroupAverager, GroupResult
+from diloco_peer.config import SwarmSettings
+from diloco_peer.errors import AllReduceFailed, NoGroup
+from diloco_peer.peer.delta import Contribution
+from diloco_peer.peer.events import EventLog
+from diloco_peer.peer.heads import Activity, HeadChannel
+from diloco_peer.peer.phase import Training
+from diloco_peer.peer.replica import Replica
+from diloco_peer.peer.telemetry import Counters, RoundReport, TensorBoard
+from diloco_peer.peer.trust import Guard, Offer
+
+log = logging.getLogger(__name__)
+
+
+class RoundStatus(enum.Enum):
+    COMMITTED = "committed"
+    """A group's average was applied: version v -> v+1."""
+    ALONE = "alone"
+    """Nobody to group with: this peer applied its own δ (k = 1)."""
+    RETRY = "retry"
+    """The head moved on while we waited (async): try again at the new head."""
+    KEPT = "kept"
+    """No group, or the group failed: δ is kept for the next group (`reason` says why)."""
+    DROPPED = "dropped"
+    """δ was older than the staleness limit: dropped and counted, never applied."""
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    status: RoundStatus
+    report: RoundReport | None = None
+    """The applied update (COMMITTED, ALONE)."""
+    reason: str = ""
+    """Why δ was kept (KEPT)."""
+
+    @property
+    def applied(self) -> bool:
+        return self.report is not None
+
+
+class Ledger:
+    """This peer's own δs not yet settled: the pending one (from a failed group, a pause or a
+    checkpoint), and the one it applied last, which goes into a later group again if the branch
+    it produced loses a fork (DESIGN §3)."""
+
+    def __init__(self) -> None:
+        self.pending: Contribution | None = None
+        self.last_own: tuple[int, Contribution] | None = None
+        """(the version it produced, the δ)."""
+
+    def add(self, contribution: Contribution) -> None:
+        self.pending = contribution if self.pending is None else self.pending.merge(contribution)
+
+    def take(self, fresh: Contribution) -> Contribution:
+        """`fresh` with whatever was pending merged in; nothing is pending afterwards."""
+        if self.pending is None:
+            return fresh
+        merged, self.pending = self.pending.merge(fresh), None
+        return merged
+
+    def recontribute(self, lost_version: int) -> bool:
+        """Our branch at `lost_version` lost: the δ that produced it goes into the next group."""
+        if self.last_own is None or self.last_own[0] != lost_version:
+            return False
+        own = self.last_own[1]
+        self.last_own = None
+        self.add(own)
+        return True
+
+
+class Round:
+    """Runs the contribution of one δ to the end: applied, kept or dropped."""
+
+    def __init__(
+        self,
+        *,
+        me: str,
+        swarm: SwarmSettings,
+        replica: Replica,
+        training: Training,
+        guard: Guard,
+        averager: Callable[[], GroupAverager],
+        heads: HeadChannel,
+        activity: Activity,
+        counters: Counters,
+        ledger: Ledger,
+        events: EventLog,
+        tensorboard: TensorBoard,
+        catch_up: Callable[[], bool],
+    ) -> None:
+        self.me, self.swarm, self.replica, self.training = me, swarm, replica, training
+        self.guard, self._averager, self.heads = guard, averager, heads
+        self.activity, self.counters, self.ledger = activity, counters, ledger
+        self.events, self.tensorboard, self._catch_up = events, tensorboard, catch_up
+        self.co_planners: list[str] = []
+        """The other members of the group committed last: they plan their next phase with us."""
+        self._waited_again = False
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.swarm.protocol == "async"
+
+    def run(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome:
+        """Contribute `mine` until it is applied, kept or dropped (a few tries at most)."""
+        self._waited_again = False
+        for _ in range(2 + self.swarm.staleness_limit):
+            outcome = self.contribute(mine, loss, t0)
+            if outcome.status is not RoundStatus.RETRY:
+                return outcome
+        return self.keep(mine, "the swarm kept moving while we looked for a group", t0)
+
+    def contribute(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome:
+        """One try: find a group at our version and apply its average."""
+        staleness = self.replica.version - mine.base_version
+        if staleness > self.swarm.staleness_limit:
+            return self._drop(mine, loss, staleness)
+        view = self.heads.view()
+        others = list(view.others())
+        # Sync mode waits for every live peer, also those still behind: they catch up to this
+        # version before they contribute. Async mode waits only for the peers already looking
+        # for a group at our state and those whose phase ends within the grace period; with
+        # nobody to wait for, it applies its δ at once.
+        if others and self.asynchronous:
+            others = view.expected_soon(get_dht_time(), self.swarm.grace_s)
+        if not others:  # alone in the swarm (Lookahead mode), or nobody worth waiting for
+            return self.commit(mine, [self.me], None, loss, t0)
+        key, offer, weight = self._offer(mine)
+        waited = time.time()
+        try:
+            result = self._averager().average(
+                key, offer.delta, weight=weight, gather=offer.gather,
+                target_size=max(2, min(self.swarm.group_size, len(others) + 1)),
+                matchmaking_timeout_s=(
+                    self.swarm.grace_s if self.asynchronous else self.swarm.sync_timeout_s
+                ),
+                allreduce_timeout_s=self.swarm.allreduce_timeout_s,
+                admit=self.guard.admit(offer.round),
+            )  # fmt: skip
+        except NoGroup:
+            self._log_exclusions(loss)
+            self.counters.wait_s += time.time() - waited
+            return self._no_group(mine, loss, t0)
+        except AllReduceFailed as e:
+            self._log_exclusions(loss)
+            self.counters.wait_s += time.time() - waited
+            return self.keep(mine, f"all-reduce failed: {e}", t0)
+        self.counters.wait_s += time.time() - waited
+        if not self.asynchronous:
+            self.heads.book.mark_absent(view.heads, present=result.members, now=time.time())
+        self.guard.settle(result, self.replica.version)
+        self._log_exclusions(loss)
+        return self.commit(
+            mine, result.contributors, result, loss, t0, self.guard.group_shards(result),
+            self.guard.staleness(result, self.replica.version),
+        )  # fmt: skip
+
+    def _offer(self, mine: Contribution) -> tuple[str, Offer, float]:
+        """Sign `mine` for a group keyed by our version and state (peers on two branches of a
+        fork never average together: each would apply the average to another base), and say
+        that we are looking for one."""
+        version, state_hash = self.replica.version, self.replica.published_hash
+        key = f"v{version}_{state_hash[:16]}"
+        offer = self.guard.offer(
+            mine.delta, key=key, version=version, state_hash=state_hash,
+            base_version=mine.base_version, steps=mine.steps, shard_samples=mine.shard_samples,
+        )  # fmt: skip
+        weight = (
+            float(sum(mine.shard_samples.values())) if self.swarm.weighting == "samples" else 1.0
+        )
+        self.heads.publish(in_group=True)
+        return key, offer, weight
+
+    def _no_group(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome:
+        if not self.asynchronous:
+            # Not a reason to mark anyone absent: they may simply have been late. Only a group
+            # that formed without a peer shows it is gone (a lone decision would fork).
+            return self.keep(mine, "no group formed", t0)
+        # Async: nobody came within the grace period. If the swarm moved on meanwhile, go to its
+        # head and try there. If a peer at our state says it is looking for a group too,
+        # matchmaking missed it: look once more instead of forking the state. Otherwise apply
+        # our δ alone (a group of one).
+        if self._catch_up():
+            return RoundOutcome(RoundStatus.RETRY)
+        if not self._waited_again and self.heads.view().someone_grouping():
+            self._waited_again = True
+            return RoundOutcome(RoundStatus.RETRY)
+        return self.commit(mine, [self.me], None, loss, t0)
+
+    def commit(
+        self,
+        mine: Contribution,
+        members: list[str],
+        result: GroupResult | None,
+        loss: float,
+        t0: float,
+        group_shards: dict[int, int] | None = None,
+        stalenesses: dict[str, int] | None = None,
+    ) -> RoundOutcome:
+        """Apply the group's average (ours alone when `result` is None): v -> v+1, identical on
+        every member."""
+        comm_s = time.time() - t0
+        staleness = self.replica.version - mine.base_version
+        record = self.replica.commit(
+            mine.delta if result is None else result.average, members,
+            mine.shard_samples if group_shards is None else group_shards,
+        )  # fmt: skip
+        self.ledger.last_own = (self.replica.version, mine)
+        self.activity.idle()
+        self.co_planners = [p for p in members if p != self.me]
+        self.heads.publish()
+        every = self.swarm.eval_every
+        ppl = self.training.eval_ppl() if every and self.replica.version % every == 0 else None
+        report = RoundReport(
+            version=self.replica.version, state_hash=record.result_hash,
+            group_size=len(members), loss=loss, ppl=ppl, comm_s=comm_s,
+            bytes_sent=result.bytes_sent if result else 0,
+            bytes_received=result.bytes_received if result else 0,
+            steps=mine.steps, staleness=staleness, members=members,
+        )  # fmt: skip
+        self.counters.add_round(report)
+        self.tensorboard.write(report, self.counters)
+        self.events.emit(
+            "round", version=report.version, state_hash=report.state_hash,
+            group_size=report.group_size, loss=report.loss, ppl=report.ppl, comm_s=report.comm_s,
+            bytes_sent=report.bytes_sent, bytes_received=report.bytes_received, members=members,
+            shards={str(k): v for k, v in mine.shard_samples.items()}, steps=mine.steps,
+            staleness=staleness, group_staleness=stalenesses or {self.me[-8:]: staleness},
+            compute_s=self.counters.compute_s, wait_s=self.counters.wait_s,
+            dropped=self.counters.dropped, speed=self.training.trainer.speed.steps_per_s,
+        )  # fmt: skip
+        status = RoundStatus.ALONE if result is None else RoundStatus.COMMITTED
+        return RoundOutcome(status, report)
+
+    def keep(self, mine: Contribution, why: str, t0: float) -> RoundOutcome:
+        """The δ waits for the next group (stale but not lost)."""
+        self.ledger.pending = mine
+        self.activity.idle()
+        self.events.emit(
+            "round_failed", version=self.replica.version, state_hash=self.replica.state.hash(),
+            group_size=0, loss=self.counters.last_loss, reason=why, seconds=time.time() - t0,
+        )  # fmt: skip
+        log.warning("[%s v%d] %s; δ kept for the next group", self.me[-6:], self.replica.version,
+                    why)  # fmt: skip
+        return RoundOutcome(RoundStatus.KEPT, reason=why)
+
+    def _drop(self, mine: Contribution, loss: float, staleness: int) -> RoundOutcome:
+        self.counters.dropped += 1
+        self.activity.idle()
+        self.events.emit(
+            "dropped", version=self.replica.version, state_hash=self.replica.state.hash(),
+            group_size=0, loss=loss, staleness=staleness, steps=mine.steps,
+            limit=self.swarm.staleness_limit, dropped_total=self.counters.dropped,
+        )  # fmt: skip
+        log.warning("[%s v%d] δ of staleness %d dropped", self.me[-6:], self.replica.version,
+                    staleness)  # fmt: skip
+        return RoundOutcome(RoundStatus.DROPPED)
+
+    def _log_exclusions(self, loss: float) -> None:
+        for peer, reason in self.guard.drain_exclusions():
+            self.events.emit(
+                "excluded", version=self.replica.version, state_hash=self.replica.published_hash,
+                group_size=0, loss=loss, excluded_peer=peer, reason=reason,
+            )  # fmt: skip

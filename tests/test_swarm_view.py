@@ -1,0 +1,245 @@
+"""The swarm's rules (coordinator_free/swarm_view.py) on hand-built heads: liveness, absent and
+departed peers, the head choice (fork vote), whom a round waits for, in-flight counts, and the
+views `status` shows. Each rule here was, before, checked only by starting real swarms."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from diloco_peer.coordinator_free.records import PeerHead
+from diloco_peer.coordinator_free.swarm_view import (
+    HeadBook,
+    HeadChoice,
+    SwarmView,
+    bans,
+    forks,
+)
+
+A, B, C, D = "Apeer", "Bpeer", "Cpeer", "Dpeer"
+ME = "Mepeer"
+H0, H1, H2 = "0" * 64, "1" * 64, "2" * 64
+NOW = 1_000_000.0
+
+
+def head(peer: str, version: int = 0, state_hash: str = H0, **fields: Any) -> PeerHead:
+    fields.setdefault("updated", NOW)
+    return PeerHead(peer_id=peer, version=version, state_hash=state_hash, **fields)
+
+
+def view(*heads: PeerHead, version: int = 0, state_hash: str = H0) -> SwarmView:
+    return SwarmView(ME, version, state_hash, {h.peer_id: h for h in heads})
+
+
+# ----------------------------------------------------------------------------- HeadBook
+
+
+def test_a_read_adds_and_refreshes_but_never_forgets_or_goes_back() -> None:
+    book = HeadBook(ME, ttl_s=60)
+    book.merge({A: head(A, 3, updated=NOW), B: head(B, 3, updated=NOW)})
+    book.merge({A: head(A, 2, updated=NOW - 5)})  # an older head from a slow DHT node
+    assert book.seen[A].version == 3
+    book.merge({})  # a partial read: nobody vanishes
+    assert set(book.live(NOW + 1)) == {A, B}
+    book.merge({B: head(B, 4, updated=NOW + 2)})
+    assert book.seen[B].version == 4
+
+
+def test_heads_older_than_the_ttl_are_not_live() -> None:
+    book = HeadBook(ME, ttl_s=60)
+    book.merge({A: head(A, updated=NOW - 59.9), B: head(B, updated=NOW - 60.0)})
+    assert set(book.live(NOW)) == {A}
+
+
+def test_a_departure_wins_at_once_and_records_its_version() -> None:
+    book = HeadBook(ME, ttl_s=60)
+    book.merge({A: head(A, 5, updated=NOW), B: head(B, 2, updated=NOW)})
+    book.merge({A: head(A, 7, updated=0.0)})  # A leaves at version 7
+    assert A not in book.live(NOW)
+    assert book.departed_version == 7
+    book.merge({B: head(B, 2, updated=0.0), ME: head(ME, 9, updated=0.0)})
+    assert book.departed_version == 7  # a lower departure, and our own, change nothing
+
+
+def test_an_absent_peer_is_ignored_until_it_publishes_a_newer_head() -> None:
+    book = HeadBook(ME, ttl_s=60)
+    book.merge({A: head(A, updated=NOW), B: head(B, updated=NOW)})
+    book.mark_absent([A, B], present=[ME, B], now=NOW + 1)
+    assert set(book.live(NOW + 2)) == {B}
+    book.merge({A: head(A, updated=NOW + 1)})  # not newer than the mark
+    assert A not in book.live(NOW + 2)
+    book.merge({A: head(A, updated=NOW + 3)})
+    assert A in book.live(NOW + 4)
+
+
+def test_in_flight_counts_add_fresh_running_plans_of_others_only() -> None:
+    book = HeadBook(ME, ttl_s=60)
+    plan = {"0": 40, "2": 8}
+    book.merge(
+        {
+            A: head(A, 5, eta=NOW + 10, plan=plan),
+            B: head(B, 5, eta=None, plan=None),  # not training
+            C: head(C, 1, eta=NOW + 10, plan={"1": 100}),  # base older than the limit
+            D: head(D, 5, eta=NOW + 10, plan={"3": 7, "9": 1000}, updated=NOW - 61),  # stale
+            ME: head(ME, 5, eta=NOW + 10, plan={"0": 1000}),  # our own phase is not "other"
+        }
+    )
+    assert book.in_flight([1, 2, 3, 4], now=NOW, oldest_version=2) == [41, 2, 11, 4]
+    book.merge({D: head(D, 5, eta=NOW + 10, plan={"3": 7, "9": 1000}, updated=NOW)})
+    # a shard the run does not have (a hostile or confused plan) is ignored
+    assert book.in_flight([0, 0, 0, 0], now=NOW, oldest_version=2) == [40, 0, 8, 7]
+
+
+# ----------------------------------------------------------------------------- the head choice
+
+
+def test_nothing_to_do_when_nobody_is_ahead() -> None:
+    assert view(head(A, 3), head(B, 2), version=3).choose_head() is None
+    assert view(version=0).choose_head() is None  # alone
+
+
+def test_the_highest_version_wins_even_against_more_peers_below() -> None:
+    choice = view(head(A, 5, H1), head(B, 4, H2), head(C, 4, H2), version=3).choose_head()
+    assert choice == HeadChoice(5, H1, (A,), lost_fork=False, votes={H1: 1})
+
+
+def test_at_the_top_the_hash_most_peers_hold_wins_ties_by_the_larger_hash() -> None:
+    v = view(head(A, 5, H1), head(B, 5, H2), head(C, 5, H1), version=3)
+    choice = v.choose_head()
+    assert choice is not None and choice.state_hash == H1 and set(choice.donors) == {A, C}
+    tie = view(head(A, 5, H1), head(B, 5, H2), version=3).choose_head()
+    assert tie is not None and tie.state_hash == H2 and tie.donors == (B,)
+
+
+def test_clients_are_never_donors_but_still_vote() -> None:
+    choice = view(head(A, 5, H1, client=True), head(B, 5, H1), version=3).choose_head()
+    assert choice is not None and choice.donors == (B,) and choice.votes == {H1: 2}
+    only_clients = view(head(A, 5, H1, client=True), version=3).choose_head()
+    assert only_clients is not None and only_clients.donors == ()
+
+
+def test_at_our_version_we_vote_for_our_hash() -> None:
+    # one other peer on another branch: a tie of one vote each, the larger hash wins
+    assert view(head(A, 3, H1), version=3, state_hash=H2).choose_head() is None
+    lost = view(head(A, 3, H2), version=3, state_hash=H1).choose_head()
+    assert lost is not None and lost.lost_fork and lost.state_hash == H2 and lost.version == 3
+    # two others on our branch outvote a larger hash
+    assert view(head(A, 3, H0), head(B, 3, H0), head(C, 3, H2), version=3).choose_head() is None
+
+
+def test_our_own_head_never_votes_twice_or_donates() -> None:
+    v = view(head(ME, 3, H0), head(A, 3, H1), head(B, 3, H1), version=3, state_hash=H0)
+    choice = v.choose_head()
+    assert choice is not None and choice.lost_fork and choice.votes == {H1: 2, H0: 1}
+    assert ME not in choice.donors
+
+
+# ----------------------------------------------------------------------------- whom to wait for
+
+
+def test_expected_soon_are_grouping_finishing_or_new_peers_not_ahead() -> None:
+    grace = 2.0
+    v = view(
+        head(A, 3, H0, in_group=True, speed=1.0),  # looking for a group at our state
+        head(B, 3, H1, in_group=True, speed=1.0),  # grouping on another branch
+        head(C, 3, H0, eta=NOW + 1.5, speed=1.0),  # ends within the grace period
+        head(D, 3, H0, eta=NOW + 2.5, speed=1.0),  # ends after it
+        head("Epeer", 3, H0, speed=0.0),  # new: no speed yet
+        head("Fpeer", 4, H0, in_group=True, speed=0.0),  # ahead of us
+        head("Gpeer", 2, H0, eta=NOW + 1.0, speed=1.0),  # behind, finishing: will catch up
+        head(ME, 3, H0, in_group=True),
+        version=3,
+        state_hash=H0,
+    )
+    assert sorted(v.expected_soon(NOW, grace)) == sorted([A, C, "Epeer", "Gpeer"])
+
+
+def test_someone_grouping_only_counts_others_at_our_state() -> None:
+    assert view(head(A, 3, H0, in_group=True), version=3).someone_grouping()
+    assert not view(head(A, 3, H1, in_group=True), version=3).someone_grouping()
+    assert not view(head(A, 4, H0, in_group=True), version=3).someone_grouping()
+    assert not view(head(ME, 3, H0, in_group=True), version=3).someone_grouping()
+
+
+def test_still_working_is_a_peer_at_or_below_us_in_a_phase_or_a_group() -> None:
+    assert view(head(A, 3, eta=NOW + 100), version=3).still_working()
+    assert view(head(A, 1, in_group=True), version=3).still_working()
+    assert not view(head(A, 4, eta=NOW + 100), version=3).still_working()
+    assert not view(head(A, 3), version=3).still_working()
+
+
+def test_expected_until_is_the_latest_end_within_the_grace_period() -> None:
+    v = view(
+        head(A, eta=NOW + 0.5),
+        head(B, eta=NOW + 1.9),
+        head(C, eta=NOW + 2.1),  # beyond the grace period
+        head(D, eta=NOW - 1.0),  # already past
+        head(ME, eta=NOW + 1.95),
+    )
+    assert v.expected_until(NOW, 2.0) == NOW + 1.9
+    assert view(head(A, eta=NOW + 3)).expected_until(NOW, 2.0) is None
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def test_speeds_leave_out_unmeasured_peers() -> None:
+    v = view(head(A, speed=2.0), head(B, speed=0.0))
+    assert v.speeds(1.5) == {A: 2.0, ME: 1.5}
+    assert v.speeds(None) == {A: 2.0}
+
+
+@pytest.mark.parametrize(
+    ("heads", "expected"),
+    [
+        ([head(A), head(B)], 20),  # sync: every other live peer's H
+        ([head(A), head(ME)], 10),
+        ([], 0),
+    ],
+)
+def test_unseen_steps_in_sync_mode_are_every_other_peers_h(
+    heads: list[PeerHead], expected: int
+) -> None:
+    v = view(*heads)
+    assert (
+        v.unseen_steps(
+            synchronous=True, inner_steps=10, co_planners=[A], steps_of={}, probe_steps=2
+        )
+        == expected
+    )
+
+
+def test_unseen_steps_in_async_mode_are_co_planners_not_showing_a_plan() -> None:
+    v = view(
+        head(A, 3),  # planning now, plan not published yet
+        head(B, 3, eta=NOW + 5, plan={"0": 4}),  # its plan is already counted as in flight
+        head(C, 2, eta=NOW + 5, plan={"0": 4}),  # a plan for an older base: counts again
+        head(D, 3),  # no speed known: a probe phase
+        version=3,
+    )
+    steps = v.unseen_steps(
+        synchronous=False,
+        inner_steps=10,
+        co_planners=[A, B, C, D, "Gone1"],
+        steps_of={A: 7, B: 9, C: 5},
+        probe_steps=2,
+    )
+    assert steps == 7 + 5 + 2
+
+
+# ----------------------------------------------------------------------------- status
+
+
+def test_forks_and_bans_as_status_shows_them() -> None:
+    heads = [
+        head(A, 3, H1, bans={C: "norm 4699 above 4 x median"}),
+        head(B, 3, H2, bans={C: "norm 4699 above 4 x median", D: "non-finite"}),
+        head(C, 2, H0),
+        head(D, 2, H0),
+    ]
+    assert forks(heads) == {3: [H1, H2]}
+    banned = bans(heads)
+    assert banned[C].by == (A, B) and banned[C].reasons == ("norm 4699 above 4 x median",)
+    assert banned[D].by == (B,) and banned[D].reasons == ("non-finite",)
+    assert forks(heads[2:]) == {} and bans(heads[2:]) == {}
