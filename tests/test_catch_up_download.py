@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from diloco_peer.coordinator_free.records import PeerHead
-from diloco_peer.coordinator_free.state_transfer import StateBlob, StateTransferFailed
+from diloco_peer.coordinator_free.state_transfer import (
+    StateBlob,
+    StateTransferFailed,
+    TransferFailure,
+)
 from diloco_peer.peer import swarm_peer
 from diloco_peer.peer.swarm_peer import SwarmPeer
 
@@ -83,13 +87,13 @@ def fake_downloads(
         calls.append(("multi", *donors))
         assert (service, run, state_hash) == ("service", "r", WANT)
         if multi is None:
-            raise StateTransferFailed("no donor left")
+            raise StateTransferFailed("no donor left", kind=TransferFailure.NO_DONOR)
         return multi
 
     def download_state(service: Any, run: str, donor: str, **kwargs: Any) -> StateBlob:
         calls.append(("single", donor))
         if donor not in singles:
-            raise StateTransferFailed("refused")
+            raise StateTransferFailed("refused", kind=TransferFailure.REFUSED)
         return singles[donor]
 
     monkeypatch.setattr(swarm_peer, "download_state_multi", download_state_multi)
