@@ -905,7 +905,7 @@ def test_multi_download_without_usable_donors_fails_cleanly(swarm: Swarm) -> Non
         )  # fmt: skip
     # an overall timeout hit while ranges arrive (~1000 small ones: the transfer takes far
     # longer): it must end then (asyncio.wait_for would let the cancellation slip past and run
-    # on, see state_transfer.py)
+    # on, see state_transfer/transfer.py)
     for timeout_s in (0.05, 0.1, 0.15):
         started = time.perf_counter()
         with pytest.raises(StateTransferFailed, match="timed out") as failure:
