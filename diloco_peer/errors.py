@@ -1,5 +1,9 @@
 """Domain errors. Anything deriving from `BadInput` becomes one stderr line and exit code 2."""
 
+from __future__ import annotations
+
+from enum import IntEnum
+
 
 class DilocoError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -49,9 +53,75 @@ class NoGroup(DilocoError):
     down. Nothing was exchanged; a lone peer may apply its own δ (DESIGN.md §3, k = 1)."""
 
 
+class RefusalCode(IntEnum):
+    """Why a donor refused a state, range or update request (coordinator_free/state_transfer)."""
+
+    OTHER = 0
+    """A reason this build does not know (a newer donor's): treated as a plain refusal."""
+    BAD_REQUEST = 1
+    """A request frame of no known length: what a donor of before ranged requests answers one."""
+    UNKNOWN_REQUEST = 2
+    """A request of an unknown kind or protocol version."""
+    BAD_RANGE = 3
+    """A malformed ranged request, or an offset past the end of the state."""
+    BUSY = 4
+    """The donor serves as many downloads as it allows: ask again later."""
+    NOT_ALLOWED = 5
+    """The donor does not serve this peer (a private swarm's allowlist)."""
+    NO_STATE = 6
+    """The donor has no state yet."""
+    STATE_MOVED_ON = 7
+    """The donor serves another state than the one a ranged request names."""
+    NO_UPDATE_LOG = 8
+    """The donor keeps no update log: it serves its full state only."""
+    NO_UPDATE = 9
+    """The donor does not (or no longer) keep the update asked for."""
+    DONOR_FAILED = 10
+    """The donor's own code failed to provide what was asked."""
+
+
+class TransferFailure(IntEnum):
+    """How a state, range or update download failed (StateTransferFailed.kind)."""
+
+    REFUSED = 1
+    """The donor answered with a refusal; `StateTransferFailed.refusal` says why."""
+    TIMED_OUT = 2
+    """The download's `timeout_s` passed."""
+    STALLED = 3
+    """A stream was silent for longer than a multi-donor download's `stall_timeout_s`."""
+    STREAM_BROKEN = 4
+    """The stream broke (reset, closed early, cut short)."""
+    UNREACHABLE = 5
+    """The p2p daemon could not reach the donor or its handler."""
+    MALFORMED = 6
+    """The answer breaks the wire protocol."""
+    TOO_LARGE = 7
+    """The state is larger than the requester's `max_bytes`."""
+    WRONG_ANSWER = 8
+    """A well-formed answer about something else: another state, version or length."""
+    BAD_DONOR = 9
+    """A peer id that cannot be a donor: malformed, or this peer's own."""
+    STOPPED = 10
+    """This process's P2P service was shut down."""
+    NO_DONOR = 11
+    """A download from several donors ran out of donors; the message gives each one's reason."""
+
+
 class StateTransferFailed(DilocoError):
-    """A full-state download did not complete; the reason says why (refused, no state yet, too
-    large, malformed answer, timed out). Try another donor, or the same one later."""
+    """A state, range or update download did not complete. `kind` says how (and `refusal`,
+    for a refusal, why); the message says it for humans. Try another donor, or the same one
+    later; retries branch on `kind` and `refusal`, never on the message."""
+
+    def __init__(
+        self, message: str, *, kind: TransferFailure, refusal: RefusalCode | None = None
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.refusal = refusal
+
+    def retagged(self, prefix: str) -> StateTransferFailed:
+        """The same failure, its message prefixed with `prefix` (who downloaded what)."""
+        return StateTransferFailed(f"{prefix} {self}", kind=self.kind, refusal=self.refusal)
 
 
 class PartStopped(DilocoError, RuntimeError):

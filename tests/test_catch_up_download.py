@@ -13,6 +13,7 @@ import torch
 from diloco_peer.coordinator_free.state_transfer import StateBlob, StateTransferFailed
 from diloco_peer.coordinator_free.swarm_view import HeadChoice
 from diloco_peer.coordinator_free.update_log import UpdateRecord
+from diloco_peer.errors import TransferFailure
 from diloco_peer.peer.catch_up import CatchUp
 
 WANT = "a" * 64
@@ -70,19 +71,19 @@ class FakeDownloads:
 
     def update(self, donor: str, base_version: int) -> bytes:
         self.calls.append(("update", donor, str(base_version)))
-        raise StateTransferFailed("no update log")
+        raise StateTransferFailed("no update log", kind=TransferFailure.REFUSED)
 
     def state(self, donor: str) -> StateBlob:
         self.calls.append(("single", donor))
         if donor not in self.singles:
-            raise StateTransferFailed("refused")
+            raise StateTransferFailed("refused", kind=TransferFailure.REFUSED)
         return self.singles[donor]
 
     def state_multi(self, donors: Sequence[str], state_hash: str) -> StateBlob:
         self.calls.append(("multi", *donors))
         assert state_hash == WANT
         if self.multi is None:
-            raise StateTransferFailed("no donor left")
+            raise StateTransferFailed("no donor left", kind=TransferFailure.STREAM_BROKEN)
         return self.multi
 
 

@@ -12,7 +12,14 @@ from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
 from diloco_peer.coordinator_free import reachability
-from diloco_peer.coordinator_free.reachability import DialBackServer, _observed_ip, probe
+from diloco_peer.coordinator_free.reachability import (
+    DialBack,
+    DialBackServer,
+    Reply,
+    conclude,
+    observed_ip,
+    probe,
+)
 from diloco_peer.p2p.service import P2PService
 from diloco_peer.p2p.streams import read_frame
 
@@ -20,10 +27,44 @@ PREFIX = "dp_test"
 
 
 def test_observed_ip_takes_the_address_and_nothing_else() -> None:
-    assert _observed_ip(Multiaddr("/ip4/10.213.0.3/tcp/31337")) == "10.213.0.3"
-    assert _observed_ip(Multiaddr("/ip6/::1/tcp/5")) == "::1"
-    assert _observed_ip(Multiaddr("/dns4/example.org/tcp/5")) is None
-    assert _observed_ip(None) is None
+    assert observed_ip(Multiaddr("/ip4/10.213.0.3/tcp/31337")) == "10.213.0.3"
+    assert observed_ip(Multiaddr("/ip6/::1/tcp/5")) == "::1"
+    assert observed_ip(Multiaddr("/dns4/example.org/tcp/5")) is None
+    assert observed_ip(None) is None
+
+
+def test_replies_keep_their_bytes_and_parse_into_outcomes() -> None:
+    for frame, outcome in (
+        (b"OK", DialBack.DIALED),
+        (b"NObusy", DialBack.BUSY),
+        (b"NObad request", DialBack.BAD_REQUEST),
+        (b"NO127.0.0.1:9: Connection refused", DialBack.DIAL_FAILED),
+        (b"NOno IP address observed (None)", DialBack.DIAL_FAILED),
+        (b"NObusy now", DialBack.DIAL_FAILED),  # the words are exact, not a prefix
+        (b"XXbusy", DialBack.MALFORMED),
+        (b"", DialBack.MALFORMED),
+    ):
+        reply = Reply.parse(frame)
+        assert reply.outcome is outcome, frame
+        if outcome is not DialBack.MALFORMED:
+            assert reply.encode() == frame
+    assert len(Reply(DialBack.DIAL_FAILED, "x" * 500).encode()) == 2 + 200
+
+
+def test_verdict_from_the_replies() -> None:
+    dialed, failed = Reply(DialBack.DIALED), Reply(DialBack.DIAL_FAILED, "no answer from x")
+    busy, bad = Reply(DialBack.BUSY, "busy"), Reply(DialBack.BAD_REQUEST, "bad request")
+    silent = Reply(DialBack.NO_ANSWER, "P2PHandlerError")
+    assert conclude(9, []) == reachability.Verdict("unknown", "no peer to ask")
+    assert conclude(9, [("aaaaaa1", failed), ("bbbbbb2", dialed)]).status == "public"
+    assert conclude(9, [("aaaaaa1", dialed)]).detail == "aaaaa1 dialed this peer's port 9"
+    private = conclude(9, [("aaaaaa1", busy), ("bbbbbb2", failed)])
+    assert private == reachability.Verdict("private", "aaaaa1: busy; bbbbb2: no answer from x")
+    unknown = conclude(9, [("aaaaaa1", busy), ("bbbbbb2", bad), ("cccccc3", silent)])
+    assert unknown.status == "unknown"
+    assert (
+        unknown.detail == "aaaaa1: busy; bbbbb2: bad request; ccccc3: no answer (P2PHandlerError)"
+    )
 
 
 @pytest.fixture(scope="module")

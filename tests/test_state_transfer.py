@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ import pytest
 import torch
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
+from hypothesis import HealthCheck, given, settings, strategies
 from safetensors.torch import save
 
 from diloco_peer.averaging.group_averager import GroupAverager
@@ -44,16 +46,40 @@ from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.coordinator_free import state_transfer as st
 from diloco_peer.coordinator_free.state_transfer import (
     CHUNK_BYTES,
+    RefusalCode,
     StateBlob,
     StateServer,
     StateTransferFailed,
+    TransferFailure,
     download_range,
     download_state,
     download_state_multi,
     download_update,
 )
+from diloco_peer.coordinator_free.state_transfer.multi_job import (
+    FIRST_RANGE_BYTES,
+    backoff_s,
+    counts_as_stream_failure,
+    may_predate_ranges,
+    retry_later,
+)
+from diloco_peer.coordinator_free.state_transfer.wire import (
+    HEADER,
+    RANGE_REQUEST,
+    REFUSAL_WORDS,
+    Header,
+    RangeRequest,
+    Refusal,
+    StateRequest,
+    UpdateRequest,
+    data_bytes,
+    parse_answer,
+    parse_request,
+    refusal_code,
+)
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
 from diloco_peer.p2p.service import P2PService
+from diloco_peer.p2p.streams import read_frame
 
 logger = logging.getLogger(__name__)
 
@@ -338,22 +364,24 @@ def test_download_of_40_mb_gives_identical_bytes(pair: Pair) -> None:
 @pytest.mark.multipeer
 @pytest.mark.timeout(30)
 def test_donor_without_state_or_refusing_fails_cleanly(pair: Pair) -> None:
-    for run, reason in (
-        ("empty", "no state yet"),
-        ("private", "not allowed"),
-        ("nosuchrun", None),  # no handler of that name on the donor: its daemon refuses
+    for run, reason, kind, refusal in (
+        ("empty", "no state yet", TransferFailure.REFUSED, RefusalCode.NO_STATE),
+        ("private", "not allowed", TransferFailure.REFUSED, RefusalCode.NOT_ALLOWED),
+        # no handler of that name on the donor: its daemon refuses
+        ("nosuchrun", None, TransferFailure.UNREACHABLE, None),
     ):
         started = time.perf_counter()
-        with pytest.raises(StateTransferFailed, match=reason):
+        with pytest.raises(StateTransferFailed, match=reason) as failure:
             download_state(pair.service, run, pair.donor_id, timeout_s=10.0)
         assert time.perf_counter() - started < 10.0
+        assert (failure.value.kind, failure.value.refusal) == (kind, refusal)
 
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(30)
 def test_state_larger_than_max_bytes_is_refused_before_download(pair: Pair) -> None:
     received: list[int] = []
-    with pytest.raises(StateTransferFailed, match="exceeds max_bytes"):
+    with pytest.raises(StateTransferFailed, match="exceeds max_bytes") as failure:
         download_state(
             pair.service,
             "full",
@@ -363,6 +391,7 @@ def test_state_larger_than_max_bytes_is_refused_before_download(pair: Pair) -> N
             on_progress=lambda done, total: received.append(done),
         )
     assert received == []  # refused on the header, before any data frame
+    assert failure.value.kind is TransferFailure.TOO_LARGE
 
 
 @pytest.mark.multipeer
@@ -374,10 +403,12 @@ def test_unknown_peer_fails_within_timeout(pair: Pair) -> None:
     with pytest.raises(StateTransferFailed):
         download_state(pair.service, "full", nobody, timeout_s=timeout_s)
     assert time.perf_counter() - started <= timeout_s + SLACK_S
-    with pytest.raises(StateTransferFailed, match="malformed peer id"):
+    with pytest.raises(StateTransferFailed, match="malformed peer id") as failure:
         download_state(pair.service, "full", "not-a-peer-id!", timeout_s=timeout_s)
-    with pytest.raises(StateTransferFailed, match="myself"):
+    assert failure.value.kind is TransferFailure.BAD_DONOR
+    with pytest.raises(StateTransferFailed, match="myself") as failure:
         download_state(pair.service, "full", pair.service.peer_id, timeout_s=timeout_s)
+    assert failure.value.kind is TransferFailure.BAD_DONOR
 
 
 @pytest.mark.multipeer
@@ -452,6 +483,7 @@ def test_donor_stopped_mid_transfer_fails_at_timeout(pair: Pair) -> None:
     assert stopped.is_set()
     assert timeout_s - 0.5 <= elapsed_s <= timeout_s + SLACK_S
     assert "bytes received" in str(failure.value)
+    assert failure.value.kind is TransferFailure.TIMED_OUT
 
 
 @pytest.mark.multipeer
@@ -476,18 +508,20 @@ def test_updates_download_byte_identical_and_replay_to_the_head(pair: Pair) -> N
 @pytest.mark.multipeer
 @pytest.mark.timeout(60)
 def test_missing_refused_or_oversized_update_fails_cleanly(pair: Pair) -> None:
-    for run, version, reason in (
-        ("full", UPDATES, "no update from version 3"),  # the donor's head: nothing after it
-        ("full", 1000, "no update from version 1000"),
-        ("empty", 0, "no update log"),
-        ("private", 0, "not allowed"),
-        ("junk", 0, "malformed record"),
-        ("nosuchrun", 0, None),
+    for run, version, reason, refusal in (
+        # the donor's head: nothing after it
+        ("full", UPDATES, "no update from version 3", RefusalCode.NO_UPDATE),
+        ("full", 1000, "no update from version 1000", RefusalCode.NO_UPDATE),
+        ("empty", 0, "no update log", RefusalCode.NO_UPDATE_LOG),
+        ("private", 0, "not allowed", RefusalCode.NOT_ALLOWED),
+        ("junk", 0, "malformed record", RefusalCode.DONOR_FAILED),
+        ("nosuchrun", 0, None, None),
     ):
         started = time.perf_counter()
-        with pytest.raises(StateTransferFailed, match=reason):
+        with pytest.raises(StateTransferFailed, match=reason) as failure:
             download_update(pair.service, run, pair.donor_id, version, timeout_s=10.0)
         assert time.perf_counter() - started < 10.0
+        assert failure.value.refusal == refusal
     with pytest.raises(StateTransferFailed, match="exceeds max_bytes"):
         download_update(pair.service, "full", pair.donor_id, 0, timeout_s=10.0, max_bytes=1000)
     with pytest.raises(StateTransferFailed, match="myself"):
@@ -512,8 +546,8 @@ class PreRangeServer(StateServer):
     a longer request without reading it, as those builds did. The requester sees either the
     refusal ("bad request") or, when the unread bytes reset the stream first, a broken stream."""
 
-    _max_request_bytes = 13
-    _max_discard_bytes = 0
+    max_request_bytes = 13
+    max_discard_bytes = 0
 
 
 @dataclass
@@ -666,19 +700,23 @@ def test_ranged_requests_give_exact_bytes_of_the_named_state_only(swarm: Swarm) 
         )
         assert got.data == expected
         assert (got.version, got.total_bytes, got.offset) == (MULTI_VERSION, size, offset)
-    for state_hash, offset, reason in (
-        ("0" * 64, 0, "state moved on"),
-        (truth.state_hash, size + 1, "bad range"),
-        (truth.state_hash, 2**64 - 1, "bad range"),
+    for state_hash, offset, reason, refusal in (
+        ("0" * 64, 0, "state moved on", RefusalCode.STATE_MOVED_ON),
+        (truth.state_hash, size + 1, "bad range", RefusalCode.BAD_RANGE),
+        (truth.state_hash, 2**64 - 1, "bad range", RefusalCode.BAD_RANGE),
     ):
         started = time.perf_counter()
-        with pytest.raises(StateTransferFailed, match=reason):
+        with pytest.raises(StateTransferFailed, match=reason) as failure:
             download_range(swarm.requester, "multi", a, state_hash, offset, 10, timeout_s=10.0)
         assert time.perf_counter() - started < 10.0
+        assert (failure.value.kind, failure.value.refusal) == (TransferFailure.REFUSED, refusal)
     # a donor of before ranged requests refuses one (or breaks the stream), but serves the
     # whole state
-    with pytest.raises(StateTransferFailed, match="bad request|stream broken"):
+    with pytest.raises(StateTransferFailed, match="bad request|stream broken") as failure:
         download_range(swarm.requester, "oldonly", a, truth.state_hash, 0, 10, timeout_s=10.0)
+    assert failure.value.refusal is RefusalCode.BAD_REQUEST or (
+        failure.value.kind is TransferFailure.STREAM_BROKEN
+    )
     assert download_state(swarm.requester, "oldonly", a, timeout_s=10.0).data == truth.data
 
 
@@ -691,13 +729,13 @@ def test_malformed_ranged_requests_are_refused(swarm: Swarm) -> None:
     hashed = swarm.truth.state_hash.encode()
 
     def ranged(length: int, hash_len: int, tail: bytes, magic: bytes = b"DLRG") -> bytes:
-        return st._RANGE_REQUEST.pack(magic, 1, 0, length, hash_len) + tail
+        return RANGE_REQUEST.pack(magic, 1, 0, length, hash_len) + tail
 
     async def ask(request: bytes) -> bytes:
         _, reader, writer = await swarm.requester.p2p.call_binary_stream_handler(a, "multi_state")
         try:
             await P2P.send_raw_data(request, writer)
-            return await st._read_frame(reader, 4096)
+            return await read_frame(reader, 4096, ValueError)
         finally:
             writer.close()
 
@@ -736,7 +774,7 @@ def test_three_donors_share_the_download(swarm: Swarm) -> None:
     assert blob.data == swarm.truth.data
     assert (blob.version, blob.state_hash) == (MULTI_VERSION, swarm.truth.state_hash)
     served = [n - m for n, m in zip(swarm.count("multi", "A", "B", "C"), before, strict=True)]
-    first = min(RANGE, st._FIRST_RANGE_BYTES)  # then RANGE each
+    first = min(RANGE, FIRST_RANGE_BYTES)  # then RANGE each
     ranges = 1 + -(-(len(swarm.truth.data) - first) // RANGE)
     assert all(n >= 1 for n in served), served
     assert ranges <= sum(served) <= ranges + 6  # the end game may fetch a few ranges twice
@@ -854,6 +892,7 @@ def test_multi_download_without_usable_donors_fails_cleanly(swarm: Swarm) -> Non
         )  # fmt: skip
     assert time.perf_counter() - started < 3.0 + SLACK_S
     assert "myself" in str(failure.value) and "malformed peer id" in str(failure.value)
+    assert failure.value.kind is TransferFailure.NO_DONOR
     # a head hash no donor serves: every donor refuses ("state moved on")
     with pytest.raises(StateTransferFailed, match="state moved on"):
         download_state_multi(
@@ -866,15 +905,16 @@ def test_multi_download_without_usable_donors_fails_cleanly(swarm: Swarm) -> Non
         )  # fmt: skip
     # an overall timeout hit while ranges arrive (~1000 small ones: the transfer takes far
     # longer): it must end then (asyncio.wait_for would let the cancellation slip past and run
-    # on, see state_transfer.py)
+    # on, see state_transfer/transfer.py)
     for timeout_s in (0.05, 0.1, 0.15):
         started = time.perf_counter()
-        with pytest.raises(StateTransferFailed, match="timed out"):
+        with pytest.raises(StateTransferFailed, match="timed out") as failure:
             download_state_multi(
                 swarm.requester, "multi", swarm.ids("A", "B"), swarm.truth.state_hash,
                 timeout_s=timeout_s, range_bytes=16 << 10,
             )  # fmt: skip
         assert time.perf_counter() - started < timeout_s + 1.0
+        assert failure.value.kind is TransferFailure.TIMED_OUT
     # and the donors are free again for the next download (no upload slot held by those)
     blob = download_state_multi(
         swarm.requester, "multi", swarm.ids("A", "B"), swarm.truth.state_hash, timeout_s=10.0,
@@ -941,6 +981,159 @@ def test_bad_arguments_are_value_errors() -> None:
     server = StateServer(service, "ok", lambda: None)
     server.shutdown()  # before start: nothing to do
     server.shutdown()
+
+
+@pytest.mark.timeout(10)
+def test_requests_keep_their_v1_bytes_and_parse_back() -> None:
+    def u64(value: int) -> bytes:
+        return value.to_bytes(8, "little")
+
+    for request, wire_bytes in (
+        (StateRequest(), b"DLST\x01"),
+        (UpdateRequest(3), b"DLUP\x01" + u64(3)),
+        (RangeRequest("ab", 5, 7), b"DLRG\x01" + u64(5) + u64(7) + b"\x02\x00ab"),
+    ):
+        assert request.encode() == wire_bytes
+        assert parse_request(wire_bytes) == request
+
+
+@pytest.mark.timeout(10)
+def test_bad_requests_are_refused_with_their_code() -> None:
+    hashed = b"h" * 64
+
+    def ranged(length: int, hash_len: int, tail: bytes, magic: bytes = b"DLRG") -> bytes:
+        return RANGE_REQUEST.pack(magic, 1, 0, length, hash_len) + tail
+
+    for raw, code in (
+        (b"", RefusalCode.BAD_REQUEST),
+        (b"DLST\x01\x00", RefusalCode.BAD_REQUEST),  # 6 bytes: no request is that long
+        (b"DLST\x02", RefusalCode.UNKNOWN_REQUEST),
+        (b"XXXX\x01", RefusalCode.UNKNOWN_REQUEST),
+        (b"DLST\x01" + bytes(8), RefusalCode.UNKNOWN_REQUEST),  # an update's length
+        (ranged(10, 64, hashed, magic=b"XXXX"), RefusalCode.UNKNOWN_REQUEST),
+        (ranged(0, 64, hashed), RefusalCode.BAD_RANGE),
+        (ranged(10, 65, hashed), RefusalCode.BAD_RANGE),
+        (ranged(10, 0, b""), RefusalCode.BAD_RANGE),
+        (ranged(10, 2, b"\xff\xfe"), RefusalCode.BAD_RANGE),
+    ):
+        with pytest.raises(Refusal) as refusal:
+            parse_request(raw)
+        assert refusal.value.code is code, (raw, refusal.value)
+        with pytest.raises(StateTransferFailed) as failure:  # the requester reads the same code
+            parse_answer(refusal.value.encode())
+        assert failure.value.refusal is code
+    assert parse_request(ranged(10, 64, hashed)) == RangeRequest("h" * 64, 0, 10)
+
+
+@pytest.mark.timeout(10)
+def test_refusal_words_are_the_codes_on_the_wire() -> None:
+    words = list(REFUSAL_WORDS.values())
+    assert set(REFUSAL_WORDS) == set(RefusalCode) - {RefusalCode.OTHER}
+    assert not [(a, b) for a in words for b in words if a != b and b.startswith(a)]
+    for code, reason in (
+        (RefusalCode.BUSY, "busy: 4 downloads in progress, try later"),
+        (RefusalCode.BAD_REQUEST, "bad request: frame of 300 bytes, at most 13 expected"),
+        (RefusalCode.BAD_RANGE, "bad range request: empty range"),
+        (RefusalCode.BAD_RANGE, "bad range: offset 11 beyond the state's 10 bytes"),
+        (RefusalCode.NOT_ALLOWED, "not allowed (TypeError in the donor's check)"),
+        (RefusalCode.NO_UPDATE, "no update from version 3 here"),
+        (RefusalCode.NO_UPDATE_LOG, "no update log: this donor serves its full state only"),
+        (RefusalCode.DONOR_FAILED, "the donor failed to provide update 2 (malformed record)"),
+        (RefusalCode.OTHER, "a reason of a newer build"),
+    ):
+        assert refusal_code(reason) is code
+        with pytest.raises(StateTransferFailed, match=f"^refused: {re.escape(reason)}$") as e:
+            parse_answer(b"ER" + reason.encode())
+        assert (e.value.kind, e.value.refusal) == (TransferFailure.REFUSED, code)
+    with pytest.raises(ValueError):
+        Refusal(RefusalCode.BUSY, "no state yet")  # a reason must start with its code's words
+    long = Refusal(RefusalCode.NO_STATE, "no state yet" + "!" * 1000).encode()
+    assert long.startswith(b"ERno state yet!") and len(long) == 2 + 512
+
+
+@pytest.mark.timeout(10)
+def test_answer_headers_parse_or_fail_as_malformed_or_too_large() -> None:
+    header = Header(7, 100, "ab" * 32)
+    assert parse_answer(header.encode()) == header
+    assert data_bytes(header, 100, None) == 100
+    assert data_bytes(header, 100, (90, 50)) == 10  # a range is cut short at the end
+    assert data_bytes(header, 100, (100, 5)) == 0
+    good = header.encode()
+    for first in (
+        b"",
+        b"XX" + good[2:],
+        good[:-1],  # the hash is one byte short of its length
+        good + b"x",
+        b"OK" + HEADER.pack(7, 100, 0),
+        b"OK" + HEADER.pack(7, 100, 2) + b"\xff\xfe",
+        b"OK" + HEADER.pack(2**63, 100, 1) + b"h",
+    ):
+        with pytest.raises(StateTransferFailed, match="malformed") as failure:
+            parse_answer(first)
+        assert failure.value.kind is TransferFailure.MALFORMED, first
+    with pytest.raises(StateTransferFailed, match="exceeds max_bytes") as failure:
+        data_bytes(header, 99, None)
+    assert failure.value.kind is TransferFailure.TOO_LARGE
+    with pytest.raises(StateTransferFailed, match="malformed") as failure:
+        data_bytes(header, 100, (101, 1))
+    assert failure.value.kind is TransferFailure.MALFORMED
+
+
+@pytest.mark.timeout(60)
+@settings(
+    max_examples=200,
+    deadline=2000,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(raw=strategies.binary(max_size=300), flips=strategies.lists(strategies.integers(0, 299)))
+def test_wire_parsers_return_a_value_or_their_typed_rejection(raw: bytes, flips: list[int]) -> None:
+    """Whatever the bytes (arbitrary, or a valid frame with bytes flipped), the request parser
+    returns a request or raises Refusal, the answer parser a header or StateTransferFailed."""
+    valid = [
+        StateRequest().encode(),
+        UpdateRequest(5).encode(),
+        RangeRequest("h" * 64, 3, 9).encode(),
+        Header(5, 10, "h" * 64).encode(),
+        b"ERbusy: try later",
+    ]
+    for frame in (raw, *valid):
+        mutated = bytearray(frame)
+        for flip in flips:
+            if mutated:
+                mutated[flip % len(mutated)] ^= 0xFF
+        for data in (frame, bytes(mutated)):
+            try:
+                request = parse_request(data)
+            except Refusal as refusal:
+                assert isinstance(refusal.code, RefusalCode)
+            else:
+                assert parse_request(request.encode()) == request
+            try:
+                parse_answer(data)
+            except StateTransferFailed as failure:
+                assert failure.kind in (TransferFailure.REFUSED, TransferFailure.MALFORMED)
+
+
+@pytest.mark.timeout(10)
+def test_multi_download_sorts_failures_by_their_kind_and_code() -> None:
+    def failed(kind: TransferFailure, refusal: RefusalCode | None = None) -> StateTransferFailed:
+        return StateTransferFailed("any words at all", kind=kind, refusal=refusal)
+
+    busy = failed(TransferFailure.REFUSED, RefusalCode.BUSY)
+    old = failed(TransferFailure.REFUSED, RefusalCode.BAD_REQUEST)
+    unknown = failed(TransferFailure.REFUSED, RefusalCode.UNKNOWN_REQUEST)
+    moved = failed(TransferFailure.REFUSED, RefusalCode.STATE_MOVED_ON)
+    broken, stalled = failed(TransferFailure.STREAM_BROKEN), failed(TransferFailure.STALLED)
+    gone = failed(TransferFailure.UNREACHABLE)
+    assert [retry_later(f) for f in (busy, old, moved, broken, gone)] == [1, 0, 0, 0, 0]
+    assert [counts_as_stream_failure(f) for f in (busy, broken, stalled, gone)] == [0, 1, 1, 0]
+    assert [may_predate_ranges(f) for f in (old, unknown, broken, stalled, busy, moved, gone)] == [
+        1, 1, 1, 1, 0, 0, 0
+    ]  # fmt: skip
+    assert [backoff_s(n) for n in range(7)] == [0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    tagged = moved.retagged("[me state run]")
+    assert str(tagged) == "[me state run] any words at all"
+    assert (tagged.kind, tagged.refusal) == (moved.kind, moved.refusal)
 
 
 @pytest.mark.timeout(10)
