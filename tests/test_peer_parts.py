@@ -1,0 +1,162 @@
+"""Parts of a peer without a network: the heartbeat, the fault plan, the δ ledger, the lifecycle
+every background part shares."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from diloco_peer.errors import ConfigError, PartStopped
+from diloco_peer.lifecycle import BackgroundPart, ready_now
+from diloco_peer.peer.chaos import Chaos
+from diloco_peer.peer.delta import Contribution
+from diloco_peer.peer.faults import FaultPlan
+from diloco_peer.peer.heads import Heartbeat
+from diloco_peer.peer.round import Ledger
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.mark.timeout(30)
+def test_the_heartbeat_survives_any_exception_and_stops_on_shutdown() -> None:
+    beats: list[float] = []
+
+    def publish() -> None:
+        beats.append(time.monotonic())
+        if len(beats) % 2:  # every other beat fails, and not with a DilocoError
+            raise RuntimeError("the DHT process is gone")
+
+    heartbeat = Heartbeat(publish, threading.Event(), period_s=0.01)
+    heartbeat.start()
+    heartbeat.wait_until_ready(1.0)
+    assert wait_until(lambda: len(beats) >= 6)
+    assert heartbeat.failures >= 3
+    heartbeat.shutdown()
+    heartbeat.shutdown()  # idempotent
+    after = len(beats)
+    time.sleep(0.1)
+    assert len(beats) == after
+    assert not any(t.name == "heartbeat" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.timeout(30)
+def test_a_paused_peer_sends_no_heartbeat() -> None:
+    beats: list[int] = []
+    paused = threading.Event()
+    paused.set()
+    heartbeat = Heartbeat(lambda: beats.append(1), paused, period_s=0.01)
+    heartbeat.start()
+    time.sleep(0.1)
+    assert beats == []
+    paused.clear()
+    assert wait_until(lambda: len(beats) >= 2)
+    heartbeat.shutdown()
+
+
+class Slow(BackgroundPart):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = 0
+        self.gate = threading.Event()
+
+    def _begin(self):  # noqa: ANN202
+        import concurrent.futures
+
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        threading.Thread(target=lambda: (self.gate.wait(), future.set_result(None))).start()
+        return future
+
+    def _end(self) -> None:
+        self.ended += 1
+
+
+def test_the_lifecycle_is_start_once_ready_with_a_timeout_and_idempotent_shutdown() -> None:
+    part = Slow()
+    with pytest.raises(RuntimeError, match="start"):
+        part.wait_until_ready(0.1)  # not started
+    part.start()
+    with pytest.raises(RuntimeError, match="started once"):
+        part.start()
+    with pytest.raises(TimeoutError, match="not ready within"):
+        part.wait_until_ready(0.05)
+    part.gate.set()
+    part.wait_until_ready(5.0)
+    part.shutdown()
+    part.shutdown()
+    assert part.ended == 1 and part.stopped
+    never = Slow()
+    never.shutdown()  # safe before start: nothing to end
+    assert never.ended == 0
+    with pytest.raises(RuntimeError):
+        never.start()
+
+
+def test_a_part_cancelled_before_it_was_ready_says_so() -> None:
+    import concurrent.futures
+
+    class Cancelled(BackgroundPart):
+        def _begin(self) -> concurrent.futures.Future[None]:
+            future: concurrent.futures.Future[None] = concurrent.futures.Future()
+            future.cancel()
+            return future
+
+        def _end(self) -> None:
+            pass
+
+    part = Cancelled()
+    part.start()
+    with pytest.raises(PartStopped):
+        part.wait_until_ready(1.0)
+    ready = Cancelled()
+    ready._begin = ready_now  # type: ignore[method-assign]
+    ready.start()
+    ready.wait_until_ready(0.1)
+
+
+def test_the_fault_plan_parses_flags_and_refuses_bad_ones() -> None:
+    plan = FaultPlan.parse(["kill-in-group=2", "alone-rounds=1"], "scale=5")
+    assert plan == FaultPlan(kill_in_group=2, alone_rounds=1, chaos=Chaos("scale", 5.0))
+    assert FaultPlan.parse() == FaultPlan()
+    assert FaultPlan().group_hook() is None
+    for bad in (["nope=1"], ["kill-in-group"], ["kill-in-group=x"], ["alone-rounds=-1"]):
+        with pytest.raises(ConfigError):
+            FaultPlan.parse(bad)
+
+
+def test_alone_rounds_hide_the_others_only_once_trained_and_for_n_rounds() -> None:
+    plan = FaultPlan(alone_rounds=2)
+    assert not plan.hides_others(0, started_training=False)  # waits for expected peers first
+    assert plan.hides_others(0, started_training=True)
+    assert plan.hides_others(1, started_training=True)
+    assert not plan.hides_others(2, started_training=True)
+    assert not FaultPlan().hides_others(0, started_training=True)
+
+
+def delta(value: float, base: int, shard: int, steps: int) -> Contribution:
+    return Contribution([torch.full((2,), value)], base, {shard: steps * 4}, steps)
+
+
+def test_the_ledger_merges_pending_and_recontributes_only_the_lost_version() -> None:
+    ledger = Ledger()
+    fresh = delta(1.0, 5, 0, 10)
+    assert ledger.take(fresh) is fresh
+    ledger.add(delta(2.0, 3, 1, 5))  # a δ kept from a failed group
+    merged = ledger.take(fresh)
+    assert merged.delta[0].tolist() == [3.0, 3.0] and merged.base_version == 3
+    assert merged.shard_samples == {1: 20, 0: 40} and merged.steps == 15
+    assert ledger.pending is None
+    ledger.last_own = (6, fresh)
+    assert not ledger.recontribute(5)  # another version lost: not ours
+    assert ledger.recontribute(6)
+    assert ledger.pending is fresh and ledger.last_own is None
+    assert not ledger.recontribute(6)  # only once
