@@ -367,7 +367,7 @@ def test_a_client_mode_member_contributes_but_reduces_nothing(trio: list[Peer]) 
 @pytest.mark.multipeer
 @pytest.mark.timeout(120)
 def test_a_long_vector_goes_in_chunks_with_the_same_bits(trio: list[Peer]) -> None:
-    """A vector of 2.2M values goes as 2 pipelined chunks (allreduce.chunk_count): every
+    """A vector of 2.2M values goes as 2 pipelined chunks (partition.chunk_count): every
     member gets the same bits, the in-memory all-reduce (which chunks the same way) too, and
     the peer in client mode still reduces nothing (it sends all it has, in more streams)."""
     shapes = [[2_200_000], [7]]
@@ -695,6 +695,17 @@ def test_validate_group_sorts_and_rejects_bad_leaders() -> None:
     for info, mine in bad:
         with pytest.raises(AllReduceFailed):
             validate_group("v0", info, a.to_base58(), mine)
+
+
+@pytest.mark.timeout(10)
+def test_an_averager_is_safe_to_shut_down_before_start() -> None:
+    averager = GroupAverager(None, "ok")  # type: ignore[arg-type]  (never started: no service)
+    with pytest.raises(RuntimeError):
+        averager.wait_until_ready(1.0)
+    averager.shutdown()
+    averager.shutdown()  # idempotent
+    with pytest.raises(RuntimeError):
+        averager.start()  # not after a shutdown
 
 
 @pytest.mark.timeout(10)

@@ -46,7 +46,14 @@ from diloco_peer.averaging.robust import (
     screen_parts,
     sorted_rows,
 )
-from diloco_peer.averaging.wire import pack_answer, unpack_answer
+from diloco_peer.averaging.wire import (
+    MAGIC,
+    PART_HEADER,
+    PROTOCOL_VERSION,
+    PartHeader,
+    pack_answer,
+    unpack_answer,
+)
 from diloco_peer.config import AGGREGATIONS
 from diloco_peer.errors import AllReduceFailed
 from diloco_peer.p2p.service import P2PService
@@ -380,6 +387,25 @@ def test_any_answer_bytes_give_a_result_or_all_reduce_failed(data: bytes, member
             unpack_answer(data, [1.0] * members, Aggregation(), codec, members=members, numel=5)
         except AllReduceFailed:
             pass
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.one_of(
+        st.binary(max_size=PART_HEADER.size + 2),
+        st.binary(min_size=PART_HEADER.size - 5, max_size=PART_HEADER.size - 5).map(
+            lambda rest: MAGIC + bytes([PROTOCOL_VERSION]) + rest
+        ),
+    )
+)
+def test_any_part_header_bytes_give_a_header_or_all_reduce_failed(data: bytes) -> None:
+    try:
+        header = PartHeader.unpack(data)
+    except AllReduceFailed:
+        return
+    assert len(data) == PART_HEADER.size and data.startswith(MAGIC)
+    assert math.isfinite(header.timeout_s) and header.timeout_s > 0
 
 
 # --------------------------------------------------------------------------- over the network
