@@ -50,9 +50,7 @@ from hivemind.dht import DHT
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from diloco_peer.averaging.allreduce import AllReduceFailed
 from diloco_peer.averaging.group_averager import GroupAverager
-from diloco_peer.averaging.matchmaking import NoGroup
 from diloco_peer.coordinator_free.state_transfer import (
     StateBlob,
     StateServer,
@@ -60,6 +58,7 @@ from diloco_peer.coordinator_free.state_transfer import (
     download_state,
     download_state_multi,
 )
+from diloco_peer.errors import AllReduceFailed, NoGroup
 from diloco_peer.p2p.service import P2PService
 
 RUN = "wan"
@@ -93,17 +92,17 @@ class TimedAverager(DecentralizedAverager):
 
 def trace_our_rounds() -> dict[str, Any] | None:
     """Timestamps of the last round, from wrappers around four methods of our all-reduce
-    (allreduce.py): `PartExchange.all_reduce` (the round), `_Round.deliver` (a member's part of
-    mine is in), `_Round._reduce` (my part, once every member's is in) and
-    `PartExchange._send_part` (the average of a part I sent is back). None if those methods are
-    not there (renamed): the bench then reports no phases."""
-    from diloco_peer.averaging import allreduce
+    (allreduce.py): `PartExchange.all_reduce` (the round), `reducer.Round.deliver` (a member's
+    part of mine is in), `reducer.Round._reduce` (my part, once every member's is in) and
+    `member.PartSender._send_part` (the average of a part I sent is back). None if those
+    methods are not there (renamed): the bench then reports no phases."""
+    from diloco_peer.averaging import allreduce, member, reducer
 
     trace: dict[str, Any] = {}
-    round_cls, exchange_cls = allreduce._Round, allreduce.PartExchange
+    round_cls, exchange_cls, sender_cls = reducer.Round, allreduce.PartExchange, member.PartSender
     originals = [getattr(round_cls, "_reduce", None), getattr(round_cls, "deliver", None),
                  getattr(exchange_cls, "all_reduce", None),
-                 getattr(exchange_cls, "_send_part", None)]  # fmt: skip
+                 getattr(sender_cls, "_send_part", None)]  # fmt: skip
     if any(f is None for f in originals):
         return None
     reduce_, deliver, all_reduce, send_part = originals
@@ -136,7 +135,7 @@ def trace_our_rounds() -> dict[str, Any] | None:
     round_cls._reduce = timed_reduce  # type: ignore[method-assign]
     round_cls.deliver = timed_deliver  # type: ignore[method-assign]
     exchange_cls.all_reduce = timed_all_reduce  # type: ignore[method-assign]
-    exchange_cls._send_part = timed_send_part  # type: ignore[method-assign]
+    sender_cls._send_part = timed_send_part  # type: ignore[method-assign]
     return trace
 
 

@@ -1,6 +1,6 @@
 """What screening and robust aggregation cost a part's reducer, against the plain mean.
 
-A reducer (diloco_peer/averaging/allreduce.py) holds one part of every member's δ and runs
+A reducer (diloco_peer/averaging/reducer.py) holds one part of every member's δ and runs
 `answer_part` once all are in; the members wait for it, so its time adds to the round's. For
 groups of --members and parts of --numel floats, each step alone, timed in the same process:
 

@@ -39,9 +39,8 @@ import torch
 from hivemind.dht import DHT
 from safetensors.torch import save_file
 
-from diloco_peer.averaging.allreduce import AllReduceFailed
 from diloco_peer.averaging.group_averager import GroupAverager
-from diloco_peer.averaging.matchmaking import NoGroup
+from diloco_peer.errors import AllReduceFailed, NoGroup
 from diloco_peer.p2p.service import P2PService
 
 

@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_peer.averaging.allreduce import all_reduce_in_memory, part_sizes, reduce_part
 from diloco_peer.averaging.compression import (
     BLOCK_SIZE,
     CODEC_ID,
@@ -26,6 +25,9 @@ from diloco_peer.averaging.compression import (
     quantization_step,
     round_trip,
 )
+from diloco_peer.averaging.partition import part_sizes
+from diloco_peer.averaging.reference import all_reduce_in_memory
+from diloco_peer.averaging.robust import reduce_part
 from diloco_peer.config import RunSpec, SimSpec
 from diloco_peer.errors import AllReduceFailed, ConfigError
 from diloco_peer.sim.simulator import Simulator

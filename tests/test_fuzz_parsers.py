@@ -20,8 +20,8 @@ a hang (hypothesis' deadline bounds each example, pytest-timeout each test):
     identity.parse_public_key                       IdentityError
 
 Not fuzzed here: the request and answer headers of state_transfer.py (`StateServer._accept`,
-`_transfer`) and the part header of allreduce.py (`PartExchange._claim_part`) are parsed inline
-in async methods on live streams, not by pure functions.
+`_transfer`) are parsed inline in async methods on live streams, not by pure functions; the part
+exchange's part header and answers (averaging/wire.py) are fuzzed in tests/test_robust.py.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,30 +30,23 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 from safetensors.torch import load_file
 
-from diloco_peer.averaging.allreduce import (
-    _PART_HEADER,
-    _PROTOCOL_VERSION,
-    AllReduceFailed,
-    PartExchange,
-    _Round,
-    all_reduce_in_memory,
-    chunk_count,
-    decode,
-    encode,
-    key_tag,
-    part_sizes,
-    reduce_part,
-)
 from diloco_peer.averaging.compression import (
     BLOCK_SIZE,
     Compression,
+    decode,
+    encode,
     encoded_size,
     prune,
     quantization_step,
 )
-from diloco_peer.averaging.group_averager import GroupAverager, _flatten
+from diloco_peer.averaging.group_averager import GroupAverager, flatten
 from diloco_peer.averaging.matchmaking import group_digest, pack_gather, validate_group
-from diloco_peer.averaging.robust import pack_answer
+from diloco_peer.averaging.partition import chunk_count, key_tag, part_sizes
+from diloco_peer.averaging.reducer import PartReducer, Round
+from diloco_peer.averaging.reference import all_reduce_in_memory
+from diloco_peer.averaging.robust import reduce_part
+from diloco_peer.averaging.wire import PART_HEADER, PROTOCOL_VERSION, pack_answer
+from diloco_peer.errors import AllReduceFailed
 
 PEER_SCRIPT = Path(__file__).with_name("_averager_peer.py")
 SHAPES = [[300_000], [17, 33], [5], [2, 3, 4]]
@@ -270,7 +262,7 @@ def check_traffic(
     sizes = part_sizes(NUMEL, len(reducers))
 
     def part(size: int) -> int:  # sender -> reducer: header frame, then the part's frame
-        return 8 + _PART_HEADER.size + 8 + encoded_size(size, compression)
+        return 8 + PART_HEADER.size + 8 + encoded_size(size, compression)
 
     def answer(size: int) -> int:  # reducer -> sender: b"OK" + no exclusions + the average
         return 8 + 2 + NO_EXCLUSIONS + encoded_size(size, compression)
@@ -375,7 +367,7 @@ def test_a_client_mode_member_contributes_but_reduces_nothing(trio: list[Peer]) 
 @pytest.mark.multipeer
 @pytest.mark.timeout(120)
 def test_a_long_vector_goes_in_chunks_with_the_same_bits(trio: list[Peer]) -> None:
-    """A vector of 2.2M values goes as 2 pipelined chunks (allreduce.chunk_count): every
+    """A vector of 2.2M values goes as 2 pipelined chunks (partition.chunk_count): every
     member gets the same bits, the in-memory all-reduce (which chunks the same way) too, and
     the peer in client mode still reduces nothing (it sends all it has, in more streams)."""
     shapes = [[2_200_000], [7]]
@@ -536,10 +528,10 @@ def test_part_sizes_match_tensor_split() -> None:
 @pytest.mark.timeout(10)
 def test_flatten_prunes_a_copy_of_each_tensor() -> None:
     tensors = [torch.arange(1.0, 11.0), -torch.arange(1.0, 5.0).view(2, 2)]
-    flat = _flatten(tensors, 0.5)
+    flat = flatten(tensors, 0.5)
     assert flat.tolist() == [0.0] * 5 + [6.0, 7.0, 8.0, 9.0, 10.0] + [0.0, 0.0, -3.0, -4.0]
     assert tensors[0][0].item() == 1.0  # the caller's tensors are left alone
-    assert torch.equal(_flatten(tensors, 0.0), torch.cat([t.reshape(-1) for t in tensors]))
+    assert torch.equal(flatten(tensors, 0.0), torch.cat([t.reshape(-1) for t in tensors]))
 
 
 @pytest.mark.timeout(10)
@@ -558,20 +550,19 @@ def test_parts_for_a_key_this_peer_left_are_refused_at_once() -> None:
     matchmaking for that key is over (e.g. it got NoGroup while others counted it in)."""
 
     async def scenario() -> None:
-        me = SimpleNamespace(peer_id=PeerID(b"\x05" * 34))
-        exchange = PartExchange(me, "t", "none")  # type: ignore[arg-type]
-        exchange.open_key("v0")
-        waiting = asyncio.ensure_future(exchange._find_round(b"d" * 32, key_tag("v0"), 5.0))
+        reducer = PartReducer()
+        reducer.open_key("v0")
+        waiting = asyncio.ensure_future(reducer.find_round(b"d" * 32, key_tag("v0"), 5.0))
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        exchange.close_key("v0")
+        reducer.close_key("v0")
         with pytest.raises(AllReduceFailed, match="no such group"):
             await asyncio.wait_for(waiting, 1.0)
         with pytest.raises(AllReduceFailed, match="no such group"):
-            await asyncio.wait_for(exchange._find_round(b"e" * 32, key_tag("v0"), 5.0), 1.0)
-        exchange.open_key("v0")  # a retry under the same key: parts wait again (bounded)
+            await asyncio.wait_for(reducer.find_round(b"e" * 32, key_tag("v0"), 5.0), 1.0)
+        reducer.open_key("v0")  # a retry under the same key: parts wait again (bounded)
         with pytest.raises(AllReduceFailed, match="after 0.1 s"):
-            await exchange._find_round(b"e" * 32, key_tag("v0"), 0.1)
+            await reducer.find_round(b"e" * 32, key_tag("v0"), 0.1)
 
     asyncio.run(scenario())
 
@@ -581,8 +572,8 @@ def _part_stream(
 ) -> asyncio.StreamReader:
     """What a sender writes for one part (round key "v0", fp32), as the reducer reads it."""
     payload = encode(torch.tensor(values), "none")
-    header = _PART_HEADER.pack(
-        b"DLCP", _PROTOCOL_VERSION, digest, key_tag("v0"), index, 0, weight, len(values), 5.0
+    header = PART_HEADER.pack(
+        b"DLCP", PROTOCOL_VERSION, digest, key_tag("v0"), index, 0, weight, len(values), 5.0
     )
     reader = asyncio.StreamReader()
     for frame in (header, payload):
@@ -591,11 +582,11 @@ def _part_stream(
     return reader
 
 
-async def _accept(exchange: PartExchange, sender: str, reader: asyncio.StreamReader) -> bytes:
+async def _accept(reducer: PartReducer, sender: str, reader: asyncio.StreamReader) -> bytes:
     """What the stream handler does with a part, up to its answer (not written here)."""
-    rnd = await exchange._claim_part(sender, reader)
+    rnd = await reducer.claim_part(sender, reader)
     try:
-        return await exchange._reduce_part(rnd, sender, reader)
+        return await reducer.reduce_part(rnd, sender, reader)
     finally:
         rnd.answered()
 
@@ -606,13 +597,9 @@ def test_reducer_checks_every_part_against_the_agreed_group() -> None:
         members = sorted(PeerID(bytes([i]) * 34).to_base58() for i in (1, 2, 3))
         me, one, two = members
         outsider = PeerID(b"\x09" * 34).to_base58()
-        exchange = PartExchange(
-            SimpleNamespace(peer_id=PeerID.from_base58(me)),  # type: ignore[arg-type]
-            "t",
-            "none",
-        )
+        reducer = PartReducer()
         digest = b"d" * 32
-        rnd = _Round(
+        rnd = Round(
             key="v0",
             digest=digest,
             members=members,
@@ -622,8 +609,8 @@ def test_reducer_checks_every_part_against_the_agreed_group() -> None:
             numel=9,  # parts of 3: I reduce part 0
             timeout_s=5.0,
         )
-        exchange._rounds[digest] = rnd
-        exchange.close_key("v0")
+        reducer.add([rnd])
+        reducer.close_key("v0")
         refused = [
             (outsider, _part_stream(digest, 0, 1.0, [0.0] * 3), "not a member"),
             (one, _part_stream(digest, 0, 9.0, [0.0] * 3), "weight"),
@@ -633,17 +620,17 @@ def test_reducer_checks_every_part_against_the_agreed_group() -> None:
         ]
         for sender, reader, reason in refused:
             with pytest.raises(AllReduceFailed, match=reason):
-                await asyncio.wait_for(_accept(exchange, sender, reader), 1.0)
+                await asyncio.wait_for(_accept(reducer, sender, reader), 1.0)
         rnd.claimed.add(me)
         rnd.deliver(me, torch.full((3,), 1.0))
         first = asyncio.ensure_future(
-            _accept(exchange, one, _part_stream(digest, 0, 2.0, [2.0] * 3))
+            _accept(reducer, one, _part_stream(digest, 0, 2.0, [2.0] * 3))
         )
         await asyncio.sleep(0.05)
         with pytest.raises(AllReduceFailed, match="duplicate"):
-            await _accept(exchange, one, _part_stream(digest, 0, 2.0, [5.0] * 3))
+            await _accept(reducer, one, _part_stream(digest, 0, 2.0, [5.0] * 3))
         # meanwhile, a round of another key (a pair) completes here: its bytes are its own
-        other = _Round(
+        other = Round(
             key="v1",
             digest=b"o" * 32,
             members=[me, one],
@@ -653,20 +640,20 @@ def test_reducer_checks_every_part_against_the_agreed_group() -> None:
             numel=6,
             timeout_s=5.0,
         )
-        exchange._rounds[other.digest] = other
+        reducer.add([other])
         other.claimed.add(me)
         other.deliver(me, torch.zeros(3))
         await asyncio.wait_for(
-            _accept(exchange, one, _part_stream(other.digest, 0, 2.0, [1.0] * 3)), 1.0
+            _accept(reducer, one, _part_stream(other.digest, 0, 2.0, [1.0] * 3)), 1.0
         )
-        last = _accept(exchange, two, _part_stream(digest, 0, 3.0, [4.0] * 3))
+        last = _accept(reducer, two, _part_stream(digest, 0, 3.0, [4.0] * 3))
         for_one, for_two = await asyncio.wait_for(asyncio.gather(first, last), 1.0)
         assert for_one == for_two  # the same bytes for every member
         assert for_one[:NO_EXCLUSIONS] == b"\x00\x00"  # the answer excludes nobody
         average = decode(for_one[NO_EXCLUSIONS:], 3, "none")
         assert torch.allclose(average, torch.full((3,), 17.0 / 6))
         # each round: its accepted streams' frames, read in full; refused streams count for none
-        framed_part = 8 + _PART_HEADER.size + 8 + 3 * 4
+        framed_part = 8 + PART_HEADER.size + 8 + 3 * 4
         assert await rnd.traffic(1.0) == (0, 2 * framed_part)
         assert await other.traffic(1.0) == (0, framed_part)
 
@@ -708,6 +695,17 @@ def test_validate_group_sorts_and_rejects_bad_leaders() -> None:
     for info, mine in bad:
         with pytest.raises(AllReduceFailed):
             validate_group("v0", info, a.to_base58(), mine)
+
+
+@pytest.mark.timeout(10)
+def test_an_averager_is_safe_to_shut_down_before_start() -> None:
+    averager = GroupAverager(None, "ok")  # type: ignore[arg-type]  (never started: no service)
+    with pytest.raises(RuntimeError):
+        averager.wait_until_ready(1.0)
+    averager.shutdown()
+    averager.shutdown()  # idempotent
+    with pytest.raises(RuntimeError):
+        averager.start()  # not after a shutdown
 
 
 @pytest.mark.timeout(10)

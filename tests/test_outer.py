@@ -11,12 +11,9 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from diloco_peer.averaging.outer import (
-    OUTER_OPTIMIZERS,
-    DelayedNesterov,
-    OuterOptimizer,
-    build_outer_optimizer,
-)
+from diloco_peer.averaging.outer import DelayedNesterov, build_outer_optimizer
+from diloco_peer.averaging.outer_base import OuterOptimizer
+from diloco_peer.config import OUTER_OPTIMIZERS
 from diloco_peer.errors import ConfigError
 
 THETA0 = [1.0, 2.0, -1.0]

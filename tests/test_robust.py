@@ -2,53 +2,61 @@
 
 Honest-like δ parts are a shared direction plus per-member noise twice as large (pairwise cosine
 ~0.2, pessimistic for workers training the same model from the same start). The network tests
-start p2p daemons in this process (hivemind's P2P, one per member, on 127.0.0.1) and run
-PartExchange rounds on them; every daemon is shut down in `finally`, killed if it lingers.
+start DHTs in this process (one per member, on 127.0.0.1, each with its P2PService, shared by
+the module's network tests) and run PartExchange rounds on them; every service and DHT is shut
+down in `finally`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import math
 import statistics
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from types import SimpleNamespace
+from collections.abc import Coroutine, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pytest
 import torch
+from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from diloco_peer.averaging.allreduce import (
-    AllReduceResult,
-    PartExchange,
-    _Round,
-    all_reduce_in_memory,
-    all_reduce_in_memory_detailed,
-    reduce_part,
-)
+from diloco_peer.averaging.allreduce import PartExchange
 from diloco_peer.averaging.compression import COMPRESSIONS, Compression, round_trip
+from diloco_peer.averaging.member import AllReduceResult
+from diloco_peer.averaging.reducer import PartReducer, Round
+from diloco_peer.averaging.reference import all_reduce_in_memory, all_reduce_in_memory_detailed
 from diloco_peer.averaging.robust import (
-    AGGREGATIONS,
     Aggregation,
     Reason,
-    _cosine,
-    _cosines_with_the_others,
-    _median,
-    _sorted_rows,
     aggregate,
     aggregate_norm_bound,
+    coordinate_median,
+    cosine_similarity,
+    cosines_with_the_others,
     norm_tolerance,
-    pack_answer,
+    reduce_part,
     screen_parts,
+    sorted_rows,
+)
+from diloco_peer.averaging.wire import (
+    MAGIC,
+    PART_HEADER,
+    PROTOCOL_VERSION,
+    PartHeader,
+    pack_answer,
     unpack_answer,
 )
+from diloco_peer.config import AGGREGATIONS
 from diloco_peer.errors import AllReduceFailed
+from diloco_peer.p2p.service import P2PService
 
 NOISE_RATIO = 2.0
 DAEMON_TIMEOUT_S = 30.0
@@ -110,12 +118,12 @@ def test_sorting_network_and_medians_match_torch() -> None:
         # small integers: many ties, and a median is exact in fp32
         parts = [torch.randint(-3, 4, (500,), generator=generator).float() for _ in range(n)]
         stacked = torch.stack(parts)
-        assert torch.equal(torch.stack(_sorted_rows(parts)), stacked.sort(dim=0).values)
-        assert torch.equal(_median(parts), stacked.quantile(0.5, dim=0))
+        assert torch.equal(torch.stack(sorted_rows(parts)), stacked.sort(dim=0).values)
+        assert torch.equal(coordinate_median(parts), stacked.quantile(0.5, dim=0))
         if n >= 2:
-            others = [_median(parts[:i] + parts[i + 1 :]) for i in range(n)]
-            slow = [_cosine(p, other) for p, other in zip(parts, others, strict=True)]
-            fast = _cosines_with_the_others(parts)
+            others = [coordinate_median(parts[:i] + parts[i + 1 :]) for i in range(n)]
+            slow = [cosine_similarity(p, other) for p, other in zip(parts, others, strict=True)]
+            fast = cosines_with_the_others(parts)
             for a, b in zip(fast, slow, strict=True):
                 assert (a is None and b is None) or abs(a - b) < 1e-6  # type: ignore[operator]
 
@@ -381,67 +389,121 @@ def test_any_answer_bytes_give_a_result_or_all_reduce_failed(data: bytes, member
             pass
 
 
+@pytest.mark.timeout(60)
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.one_of(
+        st.binary(max_size=PART_HEADER.size + 2),
+        st.binary(min_size=PART_HEADER.size - 5, max_size=PART_HEADER.size - 5).map(
+            lambda rest: MAGIC + bytes([PROTOCOL_VERSION]) + rest
+        ),
+    )
+)
+def test_any_part_header_bytes_give_a_header_or_all_reduce_failed(data: bytes) -> None:
+    try:
+        header = PartHeader.unpack(data)
+    except AllReduceFailed:
+        return
+    assert len(data) == PART_HEADER.size and data.startswith(MAGIC)
+    assert math.isfinite(header.timeout_s) and header.timeout_s > 0
+
+
 # --------------------------------------------------------------------------- over the network
 
+T = TypeVar("T")
+ROUND_TIMEOUT_S = 30.0
+"""Backstop on a member's round, on top of its own all-reduce timeout."""
 
-@asynccontextmanager
-async def daemons(count: int) -> AsyncIterator[list[P2P]]:
-    """`count` p2p daemons on 127.0.0.1, each connected to the ones before it."""
-    peers: list[P2P] = []
+
+@pytest.fixture(scope="module")
+def services() -> Iterator[list[P2PService]]:
+    """4 DHTs on 127.0.0.1, each joined to the first, each with its P2P service."""
+    dhts: list[DHT] = []
+    started: list[P2PService] = []
     try:
-        for _ in range(count):
-            known = [m for p in peers for m in await p.get_visible_maddrs()]
-            create = P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=known)
-            peers.append(await asyncio.wait_for(create, DAEMON_TIMEOUT_S))
-        yield peers
+        for _ in range(4):
+            known = [str(m) for m in dhts[0].get_visible_maddrs()] if dhts else []
+            dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=known))
+        for dht in dhts:
+            started.append(P2PService(dht))
+            started[-1].start()
+        for service in started:
+            service.wait_until_ready(DAEMON_TIMEOUT_S)
+        yield started
     finally:
-        for p2p in peers:
-            try:
-                await asyncio.wait_for(p2p.shutdown(), 10)
-            except (asyncio.TimeoutError, OSError):
-                if p2p._child is not None and p2p._child.returncode is None:
-                    p2p._child.kill()  # backstop: never leave a daemon behind
+        for service in started:
+            service.shutdown()
+        for dht in dhts:
+            dht.shutdown()
 
 
-@asynccontextmanager
-async def exchanges(
-    count: int, compression: Compression, aggregation: Aggregation
-) -> AsyncIterator[list[PartExchange]]:
-    """PartExchanges on `count` daemons, sorted by peer id (the round's member order)."""
-    async with daemons(count) as peers:
-        ready = [PartExchange(p2p, "rt", compression, aggregation) for p2p in peers]
-        for exchange in ready:
-            await exchange.start(10)
-        try:
-            yield sorted(ready, key=lambda e: e._me)
-        finally:
-            for exchange in ready:
-                await exchange.stop(2)
+def on_loop(service: P2PService, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Start `coro` on the service's loop, where its P2P replica lives."""
+    return asyncio.run_coroutine_threadsafe(coro, service.loop)
 
 
-async def run_round(
-    exchanges: list[PartExchange],
+@dataclass(frozen=True)
+class Member:
+    service: P2PService
+    exchange: PartExchange
+
+    @property
+    def me(self) -> str:
+        return self.exchange.me
+
+
+@contextmanager
+def exchanges(
+    services: list[P2PService], count: int, compression: Compression, aggregation: Aggregation
+) -> Iterator[list[Member]]:
+    """PartExchanges on `count` of the services, sorted by peer id (the round's member order)."""
+    members = [
+        Member(service, PartExchange(service, "rt", compression, aggregation))
+        for service in services[:count]
+    ]
+    try:
+        for member in members:
+            member.exchange.start()
+        for member in members:
+            member.exchange.wait_until_ready(10)
+        yield sorted(members, key=lambda m: m.me)
+    finally:
+        for member in members:
+            member.exchange.shutdown()
+
+
+def run_round(
+    members: list[Member],
     flats: list[Tensor],
     weights: list[float],
     bounds: list[float | None] | None,
     key: str,
 ) -> list[AllReduceResult | BaseException]:
     """Every member's `all_reduce` at once; its result or the exception it raised."""
-    members = [e._me for e in exchanges]
+    ids = [m.me for m in members]
     digest = hashlib.sha256(key.encode()).digest()
     rounds = [
-        e.all_reduce(
-            key=key,
-            digest=digest,
-            members=members,
-            weights=weights,
-            flat=flat,
-            allreduce_timeout_s=10.0,
-            bounds=bounds,
+        on_loop(
+            m.service,
+            m.exchange.all_reduce(
+                key=key,
+                digest=digest,
+                members=ids,
+                weights=weights,
+                flat=flat,
+                allreduce_timeout_s=10.0,
+                bounds=bounds,
+            ),
         )
-        for e, flat in zip(exchanges, flats, strict=True)
+        for m, flat in zip(members, flats, strict=True)
     ]
-    return await asyncio.gather(*rounds, return_exceptions=True)
+    results: list[AllReduceResult | BaseException] = []
+    for future in rounds:
+        try:
+            results.append(future.result(timeout=ROUND_TIMEOUT_S))
+        except Exception as e:
+            results.append(e)
+    return results
 
 
 def check_same_everywhere(
@@ -455,57 +517,55 @@ def check_same_everywhere(
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(40)
-def test_a_member_sending_nan_is_excluded_and_the_round_completes() -> None:
+def test_a_member_sending_nan_is_excluded_and_the_round_completes(
+    services: list[P2PService],
+) -> None:
     numel = 30_001
 
-    async def scenario() -> None:
-        async with exchanges(3, "none", Aggregation()) as group:
-            flats = honest_parts(3, numel, seed=13)
-            flats[1] = flats[1].clone()
-            flats[1][::1000] = float("nan")  # in each of the 3 parts
-            weights = [1.0, 2.0, 3.0]
-            results = await run_round(group, flats, weights, None, "nan")
-            expected, by_index = all_reduce_in_memory_detailed(flats, weights, "none")
-            culprit = {group[1]._me: "non-finite (parts 0, 1, 2)"}
-            assert by_index == {1: culprit[group[1]._me]}
-            # the same bits on every member, the culprit included (it still gets the answers),
-            # and they are the honest members' average
-            check_same_everywhere(results, expected, culprit)
-            honest = all_reduce_in_memory([flats[0], flats[2]], [1.0, 3.0], "none")
-            assert torch.equal(expected, honest)
-            # the next round of the same members is unaffected
-            flats[1] = honest_parts(3, numel, seed=14)[1]
-            results = await run_round(group, flats, weights, None, "next")
-            check_same_everywhere(results, all_reduce_in_memory(flats, weights, "none"), {})
-
-    asyncio.run(scenario())
+    with exchanges(services, 3, "none", Aggregation()) as group:
+        flats = honest_parts(3, numel, seed=13)
+        flats[1] = flats[1].clone()
+        flats[1][::1000] = float("nan")  # in each of the 3 parts
+        weights = [1.0, 2.0, 3.0]
+        results = run_round(group, flats, weights, None, "nan")
+        expected, by_index = all_reduce_in_memory_detailed(flats, weights, "none")
+        culprit = {group[1].me: "non-finite (parts 0, 1, 2)"}
+        assert by_index == {1: culprit[group[1].me]}
+        # the same bits on every member, the culprit included (it still gets the answers),
+        # and they are the honest members' average
+        check_same_everywhere(results, expected, culprit)
+        honest = all_reduce_in_memory([flats[0], flats[2]], [1.0, 3.0], "none")
+        assert torch.equal(expected, honest)
+        # the next round of the same members is unaffected
+        flats[1] = honest_parts(3, numel, seed=14)[1]
+        results = run_round(group, flats, weights, None, "next")
+        check_same_everywhere(results, all_reduce_in_memory(flats, weights, "none"), {})
 
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(40)
-def test_a_part_above_its_declared_norm_is_excluded_int8_centered_clip() -> None:
+def test_a_part_above_its_declared_norm_is_excluded_int8_centered_clip(
+    services: list[P2PService],
+) -> None:
     numel = 40_000
     aggregation = Aggregation(method="centered-clip", min_cosine=0.1)
 
-    async def scenario() -> None:
-        async with exchanges(4, "int8", aggregation) as group:
-            flats = honest_parts(4, numel, seed=15)
-            bounds = norms(flats)
-            flats[2] = flats[2] * 5  # declared its norm, sends five times as much
-            weights = [1.0, 1.0, 2.0, 1.0]
-            results = await run_round(group, flats, weights, bounds, "norm")
-            expected, by_index = all_reduce_in_memory_detailed(
-                flats, weights, "int8", aggregation, bounds
-            )
-            assert by_index == {2: "norm above its declared bound (parts 0, 1, 2, 3)"}
-            check_same_everywhere(results, expected, {group[2]._me: by_index[2]})
-
-    asyncio.run(scenario())
+    with exchanges(services, 4, "int8", aggregation) as group:
+        flats = honest_parts(4, numel, seed=15)
+        bounds = norms(flats)
+        flats[2] = flats[2] * 5  # declared its norm, sends five times as much
+        weights = [1.0, 1.0, 2.0, 1.0]
+        results = run_round(group, flats, weights, bounds, "norm")
+        expected, by_index = all_reduce_in_memory_detailed(
+            flats, weights, "int8", aggregation, bounds
+        )
+        assert by_index == {2: "norm above its declared bound (parts 0, 1, 2, 3)"}
+        check_same_everywhere(results, expected, {group[2].me: by_index[2]})
 
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(40)
-def test_hostile_reducer_answers_fail_the_round() -> None:
+def test_hostile_reducer_answers_fail_the_round(services: list[P2PService]) -> None:
     """Member A runs a real PartExchange; B's handler reads A's part and answers with crafted
     bytes. Every malformed or implausible answer is AllReduceFailed on A, nothing else."""
     numel = 1000
@@ -520,28 +580,27 @@ def test_hostile_reducer_answers_fail_the_round() -> None:
         (pack_answer({}, average * float("nan"), "none"), "non-finite"),
         (pack_answer({}, average * 1e3, "none"), "implausible"),
     ]
+    service_a, service_b = services[:2]
+    crafted: list[bytes] = []
 
-    async def scenario() -> None:
-        async with daemons(2) as (p2p_a, p2p_b):
-            honest = PartExchange(p2p_a, "rt", "none")
-            await honest.start(10)
-            crafted: list[bytes] = []
+    async def hostile(
+        _: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await P2P.receive_raw_data(reader)  # header
+        await P2P.receive_raw_data(reader)  # part
+        await P2P.send_raw_data(b"OK" + crafted[-1], writer)
+        writer.close()
 
-            async def hostile(
-                _: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-            ) -> None:
-                await P2P.receive_raw_data(reader)  # header
-                await P2P.receive_raw_data(reader)  # part
-                await P2P.send_raw_data(b"OK" + crafted[-1], writer)
-                writer.close()
-
-            await p2p_b.add_binary_stream_handler("rt-part", hostile)
-            members = sorted([honest._me, p2p_b.peer_id.to_base58()])
-            try:
-                for k, (answer, reason) in enumerate(answers):
-                    crafted.append(answer)
-                    with pytest.raises(AllReduceFailed, match=reason):
-                        await honest.all_reduce(
+    with exchanges(services, 1, "none", Aggregation()) as (honest,):
+        service_b.run(service_b.p2p.add_binary_stream_handler("rt-part", hostile), 10)
+        members = sorted([honest.me, service_b.peer_id])
+        try:
+            for k, (answer, reason) in enumerate(answers):
+                crafted.append(answer)
+                with pytest.raises(AllReduceFailed, match=reason):
+                    on_loop(
+                        service_a,
+                        honest.exchange.all_reduce(
                             key=f"h{k}",
                             digest=hashlib.sha256(f"h{k}".encode()).digest(),
                             members=members,
@@ -549,11 +608,10 @@ def test_hostile_reducer_answers_fail_the_round() -> None:
                             flat=torch.linspace(-1, 1, numel),
                             allreduce_timeout_s=5.0,
                             bounds=[float(numel) ** 0.5] * 2,
-                        )
-            finally:
-                await honest.stop(2)
-
-    asyncio.run(scenario())
+                        ),
+                    ).result(timeout=ROUND_TIMEOUT_S)
+        finally:
+            service_b.run(service_b.p2p.remove_binary_stream_handler("rt-part"), 10)
 
 
 @pytest.mark.timeout(10)
@@ -563,12 +621,8 @@ def test_reducer_excludes_an_undecodable_part_and_refuses_its_sender() -> None:
 
     async def scenario() -> None:
         ids = sorted(PeerID(bytes([i]) * 34).to_base58() for i in (1, 2, 3))
-        exchange = PartExchange(
-            SimpleNamespace(peer_id=PeerID.from_base58(ids[0])),  # type: ignore[arg-type]
-            "t",
-            "int8",
-        )
-        rnd = _Round(
+        reducer = PartReducer()
+        rnd = Round(
             key="v0",
             digest=b"d" * 32,
             members=ids,
@@ -582,8 +636,8 @@ def test_reducer_excludes_an_undecodable_part_and_refuses_its_sender() -> None:
         rnd.deliver(ids[0], round_trip(parts[0], "int8"))
         good = pack_answer({}, parts[1], "int8")[2:]  # the part's int8 bytes
         bad = b"\x00\x00\xc0\x7f" + good[4:]  # its scale: NaN
-        refused = asyncio.ensure_future(deliver_bytes(exchange, rnd, ids[2], bad))
-        answer = await asyncio.wait_for(deliver_bytes(exchange, rnd, ids[1], good), 2)
+        refused = asyncio.ensure_future(deliver_bytes(reducer, rnd, ids[2], bad))
+        answer = await asyncio.wait_for(deliver_bytes(reducer, rnd, ids[1], good), 2)
         with pytest.raises(AllReduceFailed, match="malformed part, excluded"):
             await asyncio.wait_for(refused, 2)
         excluded, average = unpack_answer(answer, None, Aggregation(), "int8", members=3, numel=10)
@@ -594,10 +648,10 @@ def test_reducer_excludes_an_undecodable_part_and_refuses_its_sender() -> None:
     asyncio.run(scenario())
 
 
-async def deliver_bytes(exchange: PartExchange, rnd: _Round, sender: str, payload: bytes) -> bytes:
+async def deliver_bytes(reducer: PartReducer, rnd: Round, sender: str, payload: bytes) -> bytes:
     """What the reducer does with a part's payload frame once its header was accepted."""
     reader = asyncio.StreamReader()
     reader.feed_data(len(payload).to_bytes(8, "big") + payload)
     reader.feed_eof()
     rnd.claimed.add(sender)
-    return await exchange._reduce_part(rnd, sender, reader)
+    return await reducer.reduce_part(rnd, sender, reader)

@@ -41,7 +41,7 @@ from diloco_peer.errors import AllReduceFailed
 
 __all__ = ["COMPRESSIONS", "Compression"]  # re-exported: the names are config.py's
 CODEC_ID: dict[str, int] = {"none": 0, "fp16": 1, "int8": 2, "int4": 3}
-"""The codec byte of allreduce.py's part header (never reuse a number for another encoding)."""
+"""The codec byte of the part header (wire.py) (never reuse a number for another encoding)."""
 
 BLOCK_SIZE = 128
 """Values per quantization block (one fp32 scale each)."""

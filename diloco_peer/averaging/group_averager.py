@@ -37,18 +37,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diloco_peer.averaging.allreduce import AllReduceFailed, PartExchange
+from diloco_peer.averaging.allreduce import SETUP_TIMEOUT_S, PartExchange
 from diloco_peer.averaging.compression import COMPRESSIONS, Compression, prune
-from diloco_peer.averaging.matchmaking import (
-    GATHER_PROTOCOL,
-    HANDLER_TIMEOUT_S,
-    Group,
-    NoGroup,
-    form_group,
-)
+from diloco_peer.averaging.matchmaking import GATHER_PROTOCOL, Group, form_group
+from diloco_peer.averaging.member import AllReduceResult
 from diloco_peer.averaging.robust import Aggregation
-from diloco_peer.errors import P2PServiceStopped
-from diloco_peer.lifecycle import wait_ready
+from diloco_peer.errors import AllReduceFailed, NoGroup, P2PServiceStopped
+from diloco_peer.lifecycle import BackgroundPart
+from diloco_peer.p2p.handler import HANDLER_CALL_TIMEOUT_S
 from diloco_peer.p2p.service import P2PService
 
 logger = logging.getLogger(__name__)
@@ -56,10 +52,6 @@ logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 """Prefixes and keys: no '.' (hivemind's group keys) and no '-' (our separator)."""
 _MAX_GATHER_BYTES = 64 * 1024
-_SETUP_TIMEOUT_S = 60.0
-"""Waiting for the service's replica (its own setup is bounded too), then for the handlers."""
-_SHUTDOWN_GRACE_S = 3.0
-"""How long shutdown lets answers to other members' parts finish being sent."""
 _CALL_SLACK_S = 5.0
 """Backstop on top of a call's own timeouts, for the training thread's wait on the loop."""
 
@@ -127,7 +119,7 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
-def _flatten(tensors: Sequence[Tensor], prune_fraction: float) -> Tensor:
+def flatten(tensors: Sequence[Tensor], prune_fraction: float) -> Tensor:
     """One fp32 CPU vector, copied, so the training thread may change its tensors right after;
     each tensor pruned first when `prune_fraction` > 0."""
     if not tensors or not all(isinstance(t, Tensor) for t in tensors):
@@ -145,7 +137,20 @@ def _flatten(tensors: Sequence[Tensor], prune_fraction: float) -> Tensor:
     return flat
 
 
-class GroupAverager:
+@dataclass(frozen=True)
+class _Plan:
+    """Who of a formed group takes part in its all-reduce, the same on every admitted member:
+    the admitted members (sorted), those of them that reduce a part (not in client mode), their
+    declared δ norms, who the admission kept out and why, and the round's digest."""
+
+    members: tuple[str, ...]
+    reducers: tuple[str, ...]
+    bounds: list[float | None]
+    excluded: dict[str, str]
+    digest: bytes
+
+
+class GroupAverager(BackgroundPart):
     """Forms groups of peers that call `average` with the same key, and all-reduces within them.
 
     :param service: this process's P2PService, started before `start()` (not necessarily ready:
@@ -197,32 +202,48 @@ class GroupAverager:
             or not 0 <= prune_fraction < 1
         ):
             raise ValueError(f"prune_fraction must be a number in [0, 1), got {prune_fraction!r}")
+        super().__init__()
         self._service, self._prefix, self._compression = service, prefix, compression
         self._prune_fraction = float(prune_fraction)
         self._aggregation = aggregation or Aggregation()
         self._on_group = on_group
         self._tamper = tamper
         self._client_mode = bool(client_mode)
-        self._ready: concurrent.futures.Future[None] | None = None
-        self._exchange: PartExchange | None = None
+        self._exchange = PartExchange(service, prefix, compression, self._aggregation)
         self._peer_id: str | None = None
-        self._lifecycle = threading.Lock()
         self._busy = threading.Lock()  # one average() at a time
         self._round: asyncio.Task[Any] | None = None  # in the loop: the running round
-        self._stopped = False
+
+    @property
+    def part_name(self) -> str:
+        return f"GroupAverager {self._prefix}"
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        """Register the handlers on the service's loop, once its replica is connected."""
-        with self._lifecycle:
-            if self._ready is not None or self._stopped:
-                raise RuntimeError("a GroupAverager can be started once")
-            self._ready = asyncio.run_coroutine_threadsafe(self._setup(), self._service.loop)
+    def _begin(self) -> concurrent.futures.Future[None]:
+        """Register the part handler on the service's loop, once its replica is connected."""
+        self._exchange.start()
+        return asyncio.run_coroutine_threadsafe(self._setup(), self._service.loop)
 
-    def wait_until_ready(self, timeout_s: float) -> None:
-        """Block until the handlers are registered; re-raises what setup failed with."""
-        wait_ready(self._ready, timeout_s, "GroupAverager")
+    async def _setup(self) -> None:
+        await self._exchange.ready(SETUP_TIMEOUT_S)
+        self._peer_id = self._service.peer_id
+        logger.info("[%s] GroupAverager %s ready", self._peer_id[-6:], self._prefix)
+
+    def _end(self) -> None:
+        """Stop serving (the service keeps running): a round in progress fails now instead of
+        at its timeout; answers to other members' parts get a grace period (PartExchange)."""
+        if not self._service.is_running:
+            return  # its loop is gone, and with it the handler and any round
+        try:
+            self._service.run(self._cancel_round(), HANDLER_CALL_TIMEOUT_S)
+        except (TimeoutError, P2PServiceStopped) as e:
+            logger.warning("GroupAverager %s: shutdown incomplete: %r", self._prefix, e)
+        self._exchange.shutdown()
+
+    async def _cancel_round(self) -> None:
+        if self._round is not None:
+            self._round.cancel()
 
     @property
     def peer_id(self) -> str:
@@ -230,34 +251,6 @@ class GroupAverager:
         if self._peer_id is None:
             raise RuntimeError("GroupAverager is not ready")
         return self._peer_id
-
-    def shutdown(self) -> None:
-        """Stop serving (the service keeps running). Idempotent; safe before start()."""
-        with self._lifecycle:
-            if self._stopped:
-                return
-            self._stopped = True
-            ready = self._ready
-        if ready is None or not self._service.is_running:
-            return
-        try:
-            self._service.run(self._teardown(), _SHUTDOWN_GRACE_S + 2 * HANDLER_TIMEOUT_S)
-        except (TimeoutError, P2PServiceStopped) as e:
-            logger.warning("GroupAverager %s: teardown incomplete: %r", self._prefix, e)
-
-    async def _setup(self) -> None:
-        p2p = await self._service.ready(_SETUP_TIMEOUT_S)
-        exchange = PartExchange(p2p, self._prefix, self._compression, self._aggregation)
-        await exchange.start(HANDLER_TIMEOUT_S)
-        self._exchange = exchange
-        self._peer_id = self._service.peer_id
-        logger.info("[%s] GroupAverager %s ready", self._peer_id[-6:], self._prefix)
-
-    async def _teardown(self) -> None:
-        if self._round is not None:  # a round in progress fails now instead of at its timeout
-            self._round.cancel()
-        if self._exchange is not None:
-            await self._exchange.stop(_SHUTDOWN_GRACE_S)
 
     # ------------------------------------------------------------------ rounds
 
@@ -294,21 +287,21 @@ class GroupAverager:
             raise ValueError(f"target_size must be an integer >= 2, got {target_size!r}")
         if not isinstance(gather, bytes) or len(gather) > _MAX_GATHER_BYTES:
             raise ValueError(f"gather must be bytes of at most {_MAX_GATHER_BYTES}")
-        flat = _flatten(tensors, self._prune_fraction)
+        flat = flatten(tensors, self._prune_fraction)
         if self._tamper is not None:
             flat = self._tamper(flat)
         shapes = [tuple(t.shape) for t in tensors]
         ready = self._ready
         if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
             raise RuntimeError("GroupAverager is not ready: start() and wait_until_ready() first")
-        if self._stopped:
+        if self.stopped:
             raise RuntimeError("GroupAverager is shut down")
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("average() is already running on this GroupAverager")
         tag = f"[{self.peer_id[-6:]} round={key}]"
         # the round bounds itself; this backstop adds the daemon calls' bounds and some slack
         budget_s = matchmaking_timeout_s + allreduce_timeout_s
-        budget_s += 3 * HANDLER_TIMEOUT_S + _CALL_SLACK_S
+        budget_s += 3 * HANDLER_CALL_TIMEOUT_S + _CALL_SLACK_S
         try:
             round_ = self._average(
                 key,
@@ -358,26 +351,72 @@ class GroupAverager:
         allreduce_timeout_s: float,
         admit: Callable[[Group], Admission] | None,
     ) -> GroupResult:
-        p2p, exchange = self._service.p2p, self._exchange
-        if exchange is None:
-            raise RuntimeError("GroupAverager is not ready")
+        """One round in the loop: form a group, admit its members, all-reduce with them."""
         tag = f"[{self.peer_id[-6:]} round={key}]"
+        started = time.perf_counter()
+        group = await self._form_group(
+            key,
+            shapes,
+            weight=weight,
+            gather=gather,
+            target_size=target_size,
+            matchmaking_timeout_s=matchmaking_timeout_s,
+        )
+        formed = time.perf_counter()
+        logger.info("%s group of %d formed in %.2f s", tag, len(group.members), formed - started)
+        if self._on_group is not None:
+            self._on_group(key, list(group.members))
+        plan = self._plan(key, group, admit, tag)
+        weights = dict(zip(group.members, group.weights, strict=True))
+        reduced = await self._exchange.all_reduce(
+            key=key,
+            digest=plan.digest,
+            members=plan.members,
+            weights=[weights[m] for m in plan.members],
+            flat=flat,
+            allreduce_timeout_s=allreduce_timeout_s,
+            bounds=plan.bounds,
+            reducers=plan.reducers,
+        )
+        if reduced.excluded:
+            logger.warning("%s parts refused: %s", tag, _describe(reduced.excluded))
+        done = time.perf_counter()
+        logger.info(
+            "%s all-reduce of %d floats done in %.2f s (%d B sent, %d B received)",
+            tag,
+            reduced.average.numel(),
+            done - formed,
+            reduced.bytes_sent,
+            reduced.bytes_received,
+        )
+        return _group_result(group, plan, reduced, shapes, formed - started, done - formed)
+
+    async def _form_group(
+        self,
+        key: str,
+        shapes: list[tuple[int, ...]],
+        *,
+        weight: float,
+        gather: bytes,
+        target_size: int,
+        matchmaking_timeout_s: float,
+    ) -> Group:
+        """hivemind's matchmaking among the peers that call with this key and the same schema;
+        parts of other groups with this key are refused once it fails (matchmaking.py)."""
         # peers whose tensors differ in layout or encoding must never meet: hivemind rejects a
         # join request whose schema hash differs from the leader's
         schema = (
             f"{self._prefix}|{key}|{self._compression}|{self._prune_fraction!r}|{shapes}|"
             f"{self._aggregation!r}|{GATHER_PROTOCOL}"  # members check averages against their own
         )
-        schema_hash = hashlib.sha256(schema.encode()).digest()
-        started = time.perf_counter()
-        exchange.open_key(key)
+        self._exchange.open_key(key)
         try:
-            group = await form_group(
+            return await form_group(
                 dht=self._service.dht,
-                p2p=p2p,
+                p2p=self._service.p2p,
                 namespace=f"{self._prefix}-{key}",
                 key=key,
-                schema_hash=schema_hash,
+                schema_hash=hashlib.sha256(schema.encode()).digest(),
                 weight=weight,
                 gather=gather,
                 target_size=target_size,
@@ -385,12 +424,14 @@ class GroupAverager:
                 client_mode=self._client_mode,
             )
         except BaseException:
-            exchange.close_key(key)  # in no group: others' parts naming this key are refused
+            self._exchange.close_key(key)  # in no group: others' parts naming this key are refused
             raise
-        formed = time.perf_counter()
-        logger.info("%s group of %d formed in %.2f s", tag, len(group.members), formed - started)
-        if self._on_group is not None:
-            self._on_group(key, list(group.members))
+
+    def _plan(
+        self, key: str, group: Group, admit: Callable[[Group], Admission] | None, tag: str
+    ) -> _Plan:
+        """Who of a formed group takes part, and the round's digest. NoGroup if nobody else
+        does, or no admitted member accepts connections; AllReduceFailed if I am kept out."""
         admission = (
             admit(group) if admit is not None else Admission({m: None for m in group.members}, {})
         )
@@ -399,65 +440,56 @@ class GroupAverager:
         if excluded:
             logger.warning("%s kept out of the round: %s", tag, _describe(excluded))
         if self.peer_id not in members:
-            exchange.close_key(key)
+            self._exchange.close_key(key)
             reason = excluded.get(self.peer_id, "not admitted")
             raise AllReduceFailed(f"{tag} my contribution was not admitted: {reason}")
         if len(members) == 1:
             # Everyone else was kept out: no group. (Applying my δ alone here could fork the
             # state while the honest peers averaged in a group of their own.)
-            exchange.close_key(key)
+            self._exchange.close_key(key)
             raise NoGroup(f"{tag} every other member was kept out: {_describe(excluded)}")
         clients = {m for m, client in zip(group.members, group.clients, strict=True) if client}
         reducers = tuple(m for m in members if m not in clients)
         if not reducers:
-            exchange.close_key(key)
+            self._exchange.close_key(key)
             raise NoGroup(f"{tag} no admitted member accepts connections (all in client mode)")
-        weights = dict(zip(group.members, group.weights, strict=True))
         # every admitted member derives the same digest from the same admission
         plan = "|".join(members) + "#" + "|".join(reducers)
-        digest = hashlib.sha256(group.digest + plan.encode()).digest()
-        reduced = await exchange.all_reduce(
-            key=key,
-            digest=digest,
+        return _Plan(
             members=members,
-            weights=[weights[m] for m in members],
-            flat=flat,
-            allreduce_timeout_s=allreduce_timeout_s,
-            bounds=[admission.bounds[m] for m in members],
             reducers=reducers,
-        )
-        average, sent, received = reduced.average, reduced.bytes_sent, reduced.bytes_received
-        if reduced.excluded:
-            logger.warning("%s parts refused: %s", tag, _describe(reduced.excluded))
-        excluded.update(reduced.excluded)
-        done = time.perf_counter()
-        logger.info(
-            "%s all-reduce of %d floats done in %.2f s (%d B sent, %d B received)",
-            tag,
-            average.numel(),
-            done - formed,
-            sent,
-            received,
-        )
-        sizes = [math.prod(shape) for shape in shapes]
-        parts = average.split(sizes)
-        return GroupResult(
-            average=[part.view(shape) for part, shape in zip(parts, shapes, strict=True)],
-            members=list(members),
-            weights={
-                m: w for m, w in zip(group.members, group.weights, strict=True) if m in members
-            },
-            gathered={
-                m: g for m, g in zip(group.members, group.gathered, strict=True) if m in members
-            },
-            group_id=group.group_id,
-            bytes_sent=sent,
-            bytes_received=received,
-            matchmaking_s=formed - started,
-            allreduce_s=done - formed,
+            bounds=[admission.bounds[m] for m in members],
             excluded=excluded,
-            accusations=reduced.accusations,
+            digest=hashlib.sha256(group.digest + plan.encode()).digest(),
         )
+
+
+def _group_result(
+    group: Group,
+    plan: _Plan,
+    reduced: AllReduceResult,
+    shapes: list[tuple[int, ...]],
+    matchmaking_s: float,
+    allreduce_s: float,
+) -> GroupResult:
+    """The round's result as the caller sees it: the average in the caller's shapes, and the
+    admitted members' weights and gathered bytes."""
+    sizes = [math.prod(shape) for shape in shapes]
+    parts = reduced.average.split(sizes)
+    members = plan.members
+    return GroupResult(
+        average=[part.view(shape) for part, shape in zip(parts, shapes, strict=True)],
+        members=list(members),
+        weights={m: w for m, w in zip(group.members, group.weights, strict=True) if m in members},
+        gathered={m: g for m, g in zip(group.members, group.gathered, strict=True) if m in members},
+        group_id=group.group_id,
+        bytes_sent=reduced.bytes_sent,
+        bytes_received=reduced.bytes_received,
+        matchmaking_s=matchmaking_s,
+        allreduce_s=allreduce_s,
+        excluded={**plan.excluded, **reduced.excluded},
+        accusations=reduced.accusations,
+    )
 
 
 def _describe(excluded: dict[str, str]) -> str:

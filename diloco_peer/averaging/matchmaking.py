@@ -35,8 +35,8 @@ from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, Servi
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
-from diloco_peer.averaging.allreduce import AllReduceFailed
-from diloco_peer.errors import NoGroup
+from diloco_peer.errors import AllReduceFailed, NoGroup
+from diloco_peer.p2p.handler import HANDLER_CALL_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,6 @@ _MAX_REQUEST_TIMEOUT_S = 3.0
 _MAX_CLOSE_MARGIN_S = 1.0
 """A leader closes its group this long (at most) before the matchmaking deadline, so followers
 hear BEGIN_ALLREDUCE before their own deadline rather than just after it."""
-HANDLER_TIMEOUT_S = 10.0
-"""Registering or removing a handler with the local p2p daemon."""
 _CLIENT_EXTRA_S = 5.0
 """A client-mode follower waits this much longer than a leader would: see _FollowerMatchmaking."""
 _JOIN_LINGER_S = 5.0
@@ -242,56 +240,104 @@ async def form_group(
     margin_s = min(_MAX_CLOSE_MARGIN_S, 0.2 * matchmaking_timeout_s)
     search_s = matchmaking_timeout_s - margin_s
     servicer = _JoinServicer()
-    await asyncio.wait_for(servicer.add_p2p_handlers(p2p, namespace=namespace), HANDLER_TIMEOUT_S)
+    await asyncio.wait_for(
+        servicer.add_p2p_handlers(p2p, namespace=namespace), HANDLER_CALL_TIMEOUT_S
+    )
     try:
-        servicer.matchmaking = (_FollowerMatchmaking if client_mode else Matchmaking)(
-            p2p,
-            schema_hash,
-            dht,
-            servicer_type=_JoinServicer,
-            prefix=namespace,
-            target_group_size=target_size,
-            min_group_size=2,
-            min_matchmaking_time=search_s,
-            request_timeout=min(_MAX_REQUEST_TIMEOUT_S, 0.5 * search_s),
-            client_mode=client_mode,
+        servicer.matchmaking = _matchmaking(
+            dht, p2p, namespace, schema_hash, target_size, search_s, client_mode
         )
-        # Peers may ask for different target sizes; a group larger than this peer's target
-        # makes hivemind's key manager fail (random.sample of target buckets). The key it
-        # updates is never reused here (a fresh namespace per round), so let it size by group.
-        servicer.matchmaking.group_key_manager.target_group_size = None
-        now = get_dht_time()
-        step = StepControl(
-            scheduled_time=now + search_s,
-            deadline=now + matchmaking_timeout_s + (_CLIENT_EXTRA_S if client_mode else 0.0),
-            allow_retries=False,
-            weight=weight,
-            data_for_gather=envelope,
+        info = await _look_for_group(
+            servicer.matchmaking,
+            _step_control(weight, envelope, search_s, matchmaking_timeout_s, client_mode),
+            matchmaking_timeout_s,
+            tag,
         )
-        # no separate trigger here: all-reduce starts as soon as the group is formed (an
-        # untriggered StepControl complains when garbage-collected)
-        step.attach(MPFuture(), MPFuture())
-        step.allow_allreduce()
-        try:
-            # look_for_group stops itself at the deadline; the bound here is a backstop
-            info = await asyncio.wait_for(
-                servicer.matchmaking.look_for_group(step),
-                matchmaking_timeout_s + _CLIENT_EXTRA_S + HANDLER_TIMEOUT_S,
-            )
-        except asyncio.TimeoutError:
-            raise NoGroup(f"{tag} matchmaking overran {matchmaking_timeout_s} s") from None
-        except (P2PDaemonError, P2PHandlerError, OSError, AssertionError, ValueError) as e:
-            # hivemind validates a leader's answer with assert: a lying leader ends up here
-            raise NoGroup(f"{tag} matchmaking failed: {type(e).__name__}: {e}") from None
     finally:
-        await _release_waiters(servicer.matchmaking)
-        servicer.matchmaking = None
-        try:
-            await asyncio.wait_for(
-                servicer.remove_p2p_handlers(p2p, namespace=namespace), HANDLER_TIMEOUT_S
-            )
-        except (P2PDaemonError, OSError, asyncio.TimeoutError) as e:
-            logger.debug("%s removing matchmaking handlers failed: %r", tag, e)
+        await _close(servicer, p2p, namespace, tag)
     if info is None:
         raise NoGroup(f"{tag} no other peer joined within {matchmaking_timeout_s} s")
     return validate_group(key, info, me, envelope)
+
+
+def _matchmaking(
+    dht: DHT,
+    p2p: P2P,
+    namespace: str,
+    schema_hash: bytes,
+    target_size: int,
+    search_s: float,
+    client_mode: bool,
+) -> Matchmaking:
+    """hivemind's `Matchmaking` for one round (a follower only, in client mode)."""
+    matchmaking = (_FollowerMatchmaking if client_mode else Matchmaking)(
+        p2p,
+        schema_hash,
+        dht,
+        servicer_type=_JoinServicer,
+        prefix=namespace,
+        target_group_size=target_size,
+        min_group_size=2,
+        min_matchmaking_time=search_s,
+        request_timeout=min(_MAX_REQUEST_TIMEOUT_S, 0.5 * search_s),
+        client_mode=client_mode,
+    )
+    # Peers may ask for different target sizes; a group larger than this peer's target
+    # makes hivemind's key manager fail (random.sample of target buckets). The key it
+    # updates is never reused here (a fresh namespace per round), so let it size by group.
+    matchmaking.group_key_manager.target_group_size = None
+    return matchmaking
+
+
+def _step_control(
+    weight: float,
+    envelope: bytes,
+    search_s: float,
+    matchmaking_timeout_s: float,
+    client_mode: bool,
+) -> StepControl:
+    """The StepControl hivemind's matchmaking reads: when to close the group, the deadline,
+    and the envelope to gather."""
+    now = get_dht_time()
+    step = StepControl(
+        scheduled_time=now + search_s,
+        deadline=now + matchmaking_timeout_s + (_CLIENT_EXTRA_S if client_mode else 0.0),
+        allow_retries=False,
+        weight=weight,
+        data_for_gather=envelope,
+    )
+    # no separate trigger here: all-reduce starts as soon as the group is formed (an
+    # untriggered StepControl complains when garbage-collected)
+    step.attach(MPFuture(), MPFuture())
+    step.allow_allreduce()
+    return step
+
+
+async def _look_for_group(
+    matchmaking: Matchmaking, step: StepControl, matchmaking_timeout_s: float, tag: str
+) -> GroupInfo | None:
+    """The leader's group, or None if nobody joined by the deadline; NoGroup if matchmaking
+    overran its deadline or broke down."""
+    try:
+        # look_for_group stops itself at the deadline; the bound here is a backstop
+        return await asyncio.wait_for(
+            matchmaking.look_for_group(step),
+            matchmaking_timeout_s + _CLIENT_EXTRA_S + HANDLER_CALL_TIMEOUT_S,
+        )
+    except asyncio.TimeoutError:
+        raise NoGroup(f"{tag} matchmaking overran {matchmaking_timeout_s} s") from None
+    except (P2PDaemonError, P2PHandlerError, OSError, AssertionError, ValueError) as e:
+        # hivemind validates a leader's answer with assert: a lying leader ends up here
+        raise NoGroup(f"{tag} matchmaking failed: {type(e).__name__}: {e}") from None
+
+
+async def _close(servicer: _JoinServicer, p2p: P2P, namespace: str, tag: str) -> None:
+    """Release the round's matchmaking and remove its join handler."""
+    await _release_waiters(servicer.matchmaking)
+    servicer.matchmaking = None
+    try:
+        await asyncio.wait_for(
+            servicer.remove_p2p_handlers(p2p, namespace=namespace), HANDLER_CALL_TIMEOUT_S
+        )
+    except (P2PDaemonError, OSError, asyncio.TimeoutError) as e:
+        logger.debug("%s removing matchmaking handlers failed: %r", tag, e)

@@ -1,6 +1,6 @@
 """Screening and robust aggregation of one all-reduce part (DESIGN.md §4), pure torch.
 
-A part's reducer (allreduce.py) holds that part of every member's flat fp32 pseudo-gradient δ.
+A part's reducer (reducer.py) holds that part of every member's flat fp32 pseudo-gradient δ.
 Before combining them it screens each one (`screen_parts`): a part that is not finite, longer or
 shorter than the part, larger than its member declared its whole δ to be (a slice of a vector
 cannot be larger than the vector), or (optionally) pointing away from the others' coordinate-wise
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import struct
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from enum import IntEnum
 import torch
 from torch import Tensor
 
-from diloco_peer.averaging.compression import COMPRESSIONS, Compression, decode, encode
+from diloco_peer.averaging.compression import COMPRESSIONS, Compression
 from diloco_peer.config import AGGREGATIONS, AggregationName
 from diloco_peer.errors import AllReduceFailed
 
@@ -179,7 +178,7 @@ def aggregate(
     return reduce_part(parts, weights)
 
 
-def _sorted_rows(parts: Sequence[Tensor]) -> list[Tensor]:
+def sorted_rows(parts: Sequence[Tensor]) -> list[Tensor]:
     """Per coordinate, the members' values in increasing order: row r holds the r-th smallest.
 
     Odd-even transposition sort: n rounds of compare-exchange on neighbouring rows sort any
@@ -193,9 +192,9 @@ def _sorted_rows(parts: Sequence[Tensor]) -> list[Tensor]:
     return rows
 
 
-def _median(parts: Sequence[Tensor]) -> Tensor:
+def coordinate_median(parts: Sequence[Tensor]) -> Tensor:
     """Coordinate-wise median, the mean of the two middle values for an even count."""
-    rows, middle = _sorted_rows(parts), len(parts) // 2
+    rows, middle = sorted_rows(parts), len(parts) // 2
     return rows[middle] if len(parts) % 2 else _midpoint(rows[middle - 1], rows[middle])
 
 
@@ -205,7 +204,7 @@ def _midpoint(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _trimmed_mean(parts: Sequence[Tensor], trimmed: int) -> Tensor:
-    kept = _sorted_rows(parts)[trimmed : len(parts) - trimmed]
+    kept = sorted_rows(parts)[trimmed : len(parts) - trimmed]
     acc = kept[0].clone()
     for row in kept[1:]:
         acc.add_(row)
@@ -224,7 +223,7 @@ def _centered_clip(parts: Sequence[Tensor], weights: Sequence[float], iterations
     is never longer than max(‖median‖, max_i ‖x_i‖) (see `aggregate_norm_bound`).
     """
     total = math.fsum(weights)
-    center = _median(parts)
+    center = coordinate_median(parts)
     scratch = torch.empty_like(center)
     for _ in range(iterations):
         distances = [
@@ -246,7 +245,7 @@ def aggregate_norm_bound(bounds: Sequence[float], aggregation: Aggregation) -> f
     at a coordinate is bounded in magnitude by the (k+1)-th largest |x_i| there, whose square is
     at most the mean of the k+1 largest squares, so ‖result‖² ≤ Σ_i b_i² / (k+1). centered-clip:
     the median is bounded the same way with k+1 = ⌈n/2⌉, and each clipping step stays in the
-    convex hull of v and the x_i. Members use it to check a reducer's answer (allreduce.py).
+    convex hull of v and the x_i. Members use it to check a reducer's answer (wire.py).
     """
     if not bounds:
         raise ValueError("aggregate_norm_bound needs at least one bound")
@@ -331,7 +330,7 @@ def _direction_outliers(parts: Sequence[Tensor], min_cosine: float) -> dict[int,
     """
     left, outliers = list(range(len(parts))), {}
     while len(left) >= _ROBUST_MIN_MEMBERS and 2 * (len(outliers) + 1) < len(parts):
-        cosines = _cosines_with_the_others([parts[i] for i in left])
+        cosines = cosines_with_the_others([parts[i] for i in left])
         scored = [(c, k) for k, c in enumerate(cosines) if c is not None]
         if not scored or min(scored)[0] >= min_cosine:
             break
@@ -340,7 +339,7 @@ def _direction_outliers(parts: Sequence[Tensor], min_cosine: float) -> dict[int,
     return outliers
 
 
-def _cosines_with_the_others(parts: Sequence[Tensor]) -> list[float | None]:
+def cosines_with_the_others(parts: Sequence[Tensor]) -> list[float | None]:
     """cos(x_i, median of the x_j, j ≠ i) for every i, from one sort of all n parts.
 
     Leaving x_i out of n sorted values s_0 ≤ … ≤ s_{n-1} shifts the median predictably. n even
@@ -348,22 +347,22 @@ def _cosines_with_the_others(parts: Sequence[Tensor]) -> list[float | None]:
     even): (s_h + s_{h+1})/2 if x_i < s_h, (s_{h-1} + s_h)/2 if x_i > s_h, (s_{h-1} + s_{h+1})/2
     if equal. Ties pick equal values, so either branch is right.
     """
-    rows, h = _sorted_rows(parts), len(parts) // 2
+    rows, h = sorted_rows(parts), len(parts) // 2
     cosines = []
     if len(parts) % 2 == 0:
         for part in parts:
             others = torch.where(part <= rows[h - 1], rows[h], rows[h - 1])
-            cosines.append(_cosine(part, others))
+            cosines.append(cosine_similarity(part, others))
         return cosines
     above, below = _midpoint(rows[h], rows[h + 1]), _midpoint(rows[h - 1], rows[h])
     around = _midpoint(rows[h - 1], rows[h + 1])
     for part in parts:
         others = torch.where(part < rows[h], above, torch.where(part > rows[h], below, around))
-        cosines.append(_cosine(part, others))
+        cosines.append(cosine_similarity(part, others))
     return cosines
 
 
-def _cosine(a: Tensor, b: Tensor) -> float | None:
+def cosine_similarity(a: Tensor, b: Tensor) -> float | None:
     """cos(a, b) for finite vectors, None if either is zero."""
     norms = float(torch.linalg.vector_norm(a)) * float(torch.linalg.vector_norm(b))
     # |a·b| ≤ ‖a‖‖b‖: below fp32's largest value the dot product cannot overflow either
@@ -379,21 +378,20 @@ def _cosine(a: Tensor, b: Tensor) -> float | None:
 # --------------------------------------------------------------------------- one part's reduction
 
 
-def answer_part(
+def screen_and_aggregate(
     received: Sequence[Tensor | Exclusion],
     weights: Sequence[float],
     bounds: Sequence[float | None] | None,
     aggregation: Aggregation,
     codec: Compression,
     numel: int,
-) -> tuple[bytes, dict[int, Exclusion]]:
-    """What a reducer answers once every member's part is in: screen, exclude, aggregate, and
-    serialize the answer (`pack_answer`) once, for every member.
+) -> tuple[Tensor, dict[int, Exclusion]]:
+    """What a reducer computes once every member's part is in: screen, exclude, aggregate.
 
     `received[i]` is member i's decoded part of `numel` values, or its Exclusion when it could
-    not be decoded. Returns the answer and every exclusion by member index, with its detail.
-    Raises AllReduceFailed if every member is excluded or the average is not finite (an fp32
-    overflow).
+    not be decoded. Returns the average of the included parts and every exclusion by member
+    index (sorted), with its detail. Raises AllReduceFailed if every member is excluded or the
+    average is not finite (an fp32 overflow).
     """
     excluded = {i: p for i, p in enumerate(received) if isinstance(p, Exclusion)}
     decoded = [i for i, p in enumerate(received) if isinstance(p, Tensor)]
@@ -417,9 +415,7 @@ def answer_part(
     )
     if not bool(torch.isfinite(average).all()):
         raise AllReduceFailed("the reduced part is not finite")
-    excluded = dict(sorted(excluded.items()))
-    reasons = {i: exclusion.reason for i, exclusion in excluded.items()}
-    return pack_answer(reasons, average, codec), excluded
+    return average, dict(sorted(excluded.items()))
 
 
 def check_bounds(bounds: Sequence[float | None] | None, members: int) -> None:
@@ -459,63 +455,3 @@ def describe_exclusions(by_part: Mapping[int, Mapping[int, Reason]]) -> dict[int
             entries.append(f"{reason.label} (part{plural} {', '.join(map(str, parts))})")
         described[member] = "; ".join(entries)
     return described
-
-
-# --------------------------------------------------------------------------- the reducer's answer
-
-_EXCLUSION_COUNT = struct.Struct("<H")
-_EXCLUSION = struct.Struct("<HB")  # member index, Reason code
-
-
-def answer_size(members: int, average_bytes: int) -> int:
-    """The most bytes `pack_answer` makes in a group of `members` (all but one excluded) for an
-    average of `average_bytes` encoded."""
-    return _EXCLUSION_COUNT.size + (members - 1) * _EXCLUSION.size + average_bytes
-
-
-def pack_answer(excluded: Mapping[int, Reason], average: Tensor, codec: Compression) -> bytes:
-    """A reducer's answer after b"OK" (allreduce.py), serialized once for every member: u16
-    count, count × (u16 member index, u8 Reason code) with increasing indices, little-endian,
-    then the average in the round's codec."""
-    entries = [_EXCLUSION.pack(i, excluded[i]) for i in sorted(excluded)]
-    return _EXCLUSION_COUNT.pack(len(excluded)) + b"".join(entries) + encode(average, codec)
-
-
-def unpack_answer(
-    data: bytes,
-    bounds: Sequence[float | None] | None,
-    aggregation: Aggregation,
-    codec: Compression,
-    *,
-    members: int,
-    numel: int,
-) -> tuple[dict[int, Reason], Tensor]:
-    """(member index -> reason, decoded average) of a reducer's answer, as a member checks it.
-
-    AllReduceFailed unless: the count is below `members` (a reducer with nobody left fails
-    instead), the indices strictly increase below `members`, every code is a Reason, the length
-    is exact, the average is finite and no longer than the members the reducer included can make
-    it (`average_norm_limit`; skipped unless every one of them declared a bound).
-    """
-    if len(data) < _EXCLUSION_COUNT.size:
-        raise AllReduceFailed(f"{len(data)} bytes, too short for an exclusion count")
-    (count,) = _EXCLUSION_COUNT.unpack_from(data)
-    head = _EXCLUSION_COUNT.size + count * _EXCLUSION.size
-    if count >= members or len(data) < head:
-        raise AllReduceFailed(f"{count} exclusions of {members} members in {len(data)} bytes")
-    excluded: dict[int, Reason] = {}
-    previous = -1
-    for index, code in _EXCLUSION.iter_unpack(data[_EXCLUSION_COUNT.size : head]):
-        if not previous < index < members or code not in Reason._value2member_map_:
-            raise AllReduceFailed(f"exclusion of member {index} for reason {code}")
-        excluded[index], previous = Reason(code), index
-    average = decode(data[head:], numel, codec)  # AllReduceFailed unless exactly the right size
-    if not bool(torch.isfinite(average).all()):
-        raise AllReduceFailed("a non-finite average")
-    included = [b for i, b in enumerate(bounds or ()) if i not in excluded]
-    if included and None not in included:
-        limit = average_norm_limit(included, aggregation, codec, numel)  # type: ignore[arg-type]
-        norm = float(torch.linalg.vector_norm(average))
-        if not norm <= limit:
-            raise AllReduceFailed(f"an implausible average (norm {norm:.4g} above {limit:.4g})")
-    return excluded, average

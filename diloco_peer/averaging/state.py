@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from diloco_peer.averaging.outer import OuterOptimizer
+from diloco_peer.averaging.outer_base import OuterOptimizer
 from diloco_peer.errors import ConfigError
 
 

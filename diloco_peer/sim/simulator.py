@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from diloco_peer.averaging.allreduce import all_reduce_in_memory
 from diloco_peer.averaging.compression import prune, round_trip
 from diloco_peer.averaging.outer import build_outer_optimizer
+from diloco_peer.averaging.reference import all_reduce_in_memory
 from diloco_peer.config import SimSpec
 from diloco_peer.coordinator_free.dylu import SpeedMeter, dylu_steps
 from diloco_peer.coordinator_free.sampler import ShardSampler

@@ -1,0 +1,391 @@
+"""The reducer side of the part exchange (allreduce.py): the rounds this peer is in, and the part
+of each that it reduces.
+
+A reducer accepts a member's part stream into its round only if the header matches the plan
+every member agreed on; it trusts nothing in the header it can check elsewhere: the sender is the
+libp2p-authenticated stream peer id (not a header field), and must be a member of the round named
+by the header's digest; its weight must equal the one agreed at matchmaking. Once every member's
+part is in (its own included), it screens and aggregates them (robust.py), serializes the answer
+ONCE (wire.py) and sends those same bytes to every member.
+
+A part that arrives whole but does not decode is excluded and its sender refused; one that never
+arrives whole (a broken stream, a timeout, a frame longer than the part's encoding, refused
+unread) fails the round, as a crashed member does.
+
+Traffic is counted per round (`Round.bytes_sent`, `bytes_received`): every frame, length prefix
+included, on both ends of every stream the round uses, as a member and as a reducer. A stream
+counts for a round from the moment its reducer accepts the part; parts refused before (unknown
+round, stranger, duplicate) count for no round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Sequence
+
+from hivemind.p2p import P2P
+from torch import Tensor
+
+from diloco_peer.averaging.compression import CODEC_ID, Compression, decode, encoded_size
+from diloco_peer.averaging.partition import key_tag, part_sizes
+from diloco_peer.averaging.robust import (
+    Aggregation,
+    Exclusion,
+    Reason,
+    screen_and_aggregate,
+)
+from diloco_peer.averaging.wire import OK, PART_HEADER, PartHeader, pack_answer, refusal
+from diloco_peer.errors import AllReduceFailed
+from diloco_peer.p2p.streams import STREAM_ERRORS, consume, framed_size, linger, read_frame
+
+logger = logging.getLogger(__name__)
+
+EXCHANGE_ERRORS = (*STREAM_ERRORS, ValueError)
+"""What a broken, refused or timed-out part stream raises; each becomes AllReduceFailed."""
+
+_HEADER_TIMEOUT_S = 10.0
+"""How long a reducer waits for the header of a stream it did not open."""
+_UNKNOWN_ROUND_WAIT_S = 30.0
+"""Upper bound on how long a part may wait for its round to start locally (matchmaking ends at
+slightly different moments on different members; the sender's own timeout bounds it further)."""
+_CLOSED_ROUND_RETAIN_S = 60.0
+"""How long a finished round stays known, so a late part gets its answer or a prompt refusal."""
+_MAX_PENDING_ROUNDS = 64
+"""Unknown round digests a reducer is willing to wait for at once (a bound on memory for parts
+that name rounds this peer never joins)."""
+_MAX_CLOSED_KEYS = 256
+
+
+def short_id(peer: str) -> str:
+    """How logs and messages name a peer: the end of its base58 id."""
+    return peer[-6:]
+
+
+def answer_part(
+    received: Sequence[Tensor | Exclusion],
+    weights: Sequence[float],
+    bounds: Sequence[float | None] | None,
+    aggregation: Aggregation,
+    codec: Compression,
+    numel: int,
+) -> tuple[bytes, dict[int, Exclusion]]:
+    """What a reducer answers once every member's part is in: screen, exclude, aggregate
+    (`robust.screen_and_aggregate`), and serialize the answer (`wire.pack_answer`) once, for
+    every member. Returns the answer and every exclusion by member index, with its detail."""
+    average, excluded = screen_and_aggregate(received, weights, bounds, aggregation, codec, numel)
+    reasons = {i: exclusion.reason for i, exclusion in excluded.items()}
+    return pack_answer(reasons, average, codec), excluded
+
+
+class Round:
+    """One round as one member sees it: the plan every member agreed on, plus my part's inbox."""
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        digest: bytes,
+        members: Sequence[str],
+        me: str,
+        weights: Sequence[float],
+        compression: Compression,
+        numel: int,
+        timeout_s: float,
+        aggregation: Aggregation = Aggregation(),
+        bounds: Sequence[float | None] | None = None,
+        reducers: Sequence[str] | None = None,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.key, self.digest, self.compression = key, digest, compression
+        self.aggregation, self.bounds = aggregation, None if bounds is None else list(bounds)
+        self.members = list(members)
+        self.reducers = self.members if reducers is None else list(reducers)
+        if not self.reducers or [m for m in self.members if m in self.reducers] != self.reducers:
+            raise ValueError("reducers must be a non-empty subsequence of the sorted members")
+        self.weights = [float(w) for w in weights]
+        self.me = me
+        self.my_index = self.members.index(me)
+        self.my_part = self.reducers.index(me) if me in self.reducers else None
+        """The part I reduce; None in client mode."""
+        self.sizes = part_sizes(numel, len(self.reducers))
+        self.deadline = loop.time() + timeout_s
+        self.claimed: set[str] = set()
+        """Senders whose part stream was accepted (duplicates refused)."""
+        self.received: dict[str, Tensor | Exclusion] = {}
+        self._reduction: asyncio.Future[None] | None = None  # referenced while it runs
+        self.result: asyncio.Future[bytes] = loop.create_future()
+        self.result.add_done_callback(consume)
+        # frames of this round's streams, both ends, both roles (a reducer's answer is counted
+        # just before it is written, so `traffic` waits for every accepted part's answer)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._unanswered = 0
+        self._all_answered = asyncio.Event()
+        self._all_answered.set()
+
+    @property
+    def tag(self) -> str:
+        return f"[{short_id(self.me)} round={self.key}]"
+
+    @property
+    def part(self) -> int:
+        """The part I reduce, on the reducer's side; AllReduceFailed in client mode."""
+        if self.my_part is None:
+            raise AllReduceFailed("I reduce no part in this round (client mode)")
+        return self.my_part
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+    def fail(self, reason: str) -> None:
+        if not self.result.done():
+            self.result.set_exception(AllReduceFailed(f"part {self.my_part}: {reason}"))
+
+    def accept(self, sender: str, header_bytes: int) -> None:
+        """A member's part stream joins the round; it owes one `answered()` call from now on."""
+        self.claimed.add(sender)
+        self.bytes_received += header_bytes
+        self._unanswered += 1
+        self._all_answered.clear()
+
+    def answered(self) -> None:
+        """An accepted stream's answer is counted (or it will never send one)."""
+        self._unanswered -= 1
+        if self._unanswered == 0:
+            self._all_answered.set()
+
+    async def traffic(self, wait_s: float) -> tuple[int, int]:
+        """(bytes sent, bytes received) once every accepted part's answer is counted.
+
+        Called after the round succeeded here: the result is then set, so the handlers that
+        answer it only need their turn in the loop. Past `wait_s` (never expected) the counts
+        are returned as they stand rather than failing a round for its bookkeeping.
+        """
+        try:
+            await asyncio.wait_for(self._all_answered.wait(), wait_s)
+        except asyncio.TimeoutError:
+            logger.debug("%s traffic counted without %d answers", self.tag, self._unanswered)
+        return self.bytes_sent, self.bytes_received
+
+    def deliver(self, sender: str, part: Tensor | Exclusion) -> None:
+        """Store a member's decoded part (or why it could not be decoded); the last one in
+        starts the reduction (in sorted member order)."""
+        self.received[sender] = part
+        if len(self.received) < len(self.members) or self.result.done():
+            return
+        received = [self.received.pop(m) for m in self.members]
+        self._reduction = asyncio.ensure_future(self._reduce(received))
+
+    async def _reduce(self, received: list[Tensor | Exclusion]) -> None:
+        """Screen, aggregate and serialize the answer once, for all, in a worker thread: robust
+        methods take up to ~1 s for 16 parts of 4M floats (bench/robust_aggregation.py), which
+        must not stall the loop's other streams (torch releases the GIL)."""
+        try:
+            answer, excluded = await asyncio.to_thread(
+                answer_part,
+                received,
+                self.weights,
+                self.bounds,
+                self.aggregation,
+                self.compression,
+                self.sizes[self.part],
+            )
+        except AllReduceFailed as e:
+            self.fail(str(e))
+            return
+        except Exception as e:  # a bug here must fail the round now, not at its timeout
+            logger.exception("%s reducing part %s failed", self.tag, self.my_part)
+            self.fail(f"{type(e).__name__}: {e}")
+            return
+        if excluded:  # the details stay here; the answer carries only the reason codes
+            details = "; ".join(f"{short_id(self.members[i])}: {e}" for i, e in excluded.items())
+            logger.warning("%s part %s excluded %s", self.tag, self.my_part, details)
+        if not self.result.done():  # the round may have failed meanwhile
+            self.result.set_result(answer)
+
+
+class PartReducer:
+    """The rounds this peer is in, by digest, and the part streams other members open to it.
+
+    Lives in one asyncio loop (the P2P service's). A part may arrive before its round starts
+    here (matchmaking ends at slightly different moments on different members): it waits for
+    the round, boundedly, unless this peer's matchmaking for that key is over (`close_key`).
+    """
+
+    def __init__(self) -> None:
+        self._rounds: dict[bytes, Round] = {}
+        # parts that arrived before their round started here wait on these, by round digest
+        self._round_started: dict[bytes, asyncio.Event] = {}
+        self._pending_keys: dict[bytes, bytes] = {}  # digest -> key tag, for those parts
+        # keys whose matchmaking is over here (insertion-ordered, oldest dropped first): a part
+        # for an unknown round of such a key is refused at once instead of waiting in vain
+        self._closed_keys: dict[bytes, None] = {}
+
+    # ------------------------------------------------------------------ rounds and keys
+
+    def open_key(self, key: str) -> None:
+        """Matchmaking for `key` begins: parts of a group with this key may come (again)."""
+        self._closed_keys.pop(key_tag(key), None)
+
+    def close_key(self, key: str) -> None:
+        """Matchmaking for `key` is over here: refuse parts of any other group with this key,
+        including those already waiting (this peer thinks it is in no group, or in another)."""
+        tag = key_tag(key)
+        self._closed_keys[tag] = None
+        while len(self._closed_keys) > _MAX_CLOSED_KEYS:
+            del self._closed_keys[next(iter(self._closed_keys))]
+        for digest, pending_tag in list(self._pending_keys.items()):
+            if pending_tag == tag and digest not in self._rounds:
+                self._pending_keys.pop(digest)
+                self._round_started.pop(digest).set()  # the waiter wakes and finds no round
+
+    def add(self, rounds: Iterable[Round]) -> None:
+        """These rounds start here: parts for them are accepted, those waiting wake up."""
+        for rnd in rounds:
+            self._rounds[rnd.digest] = rnd
+            self._pending_keys.pop(rnd.digest, None)
+            started = self._round_started.pop(rnd.digest, None)
+            if started is not None:
+                started.set()  # parts that came before the round started here
+
+    def retire(self, rounds: Iterable[Round]) -> None:
+        """These rounds are over here; they stay known for a while, so that a late part gets
+        its answer or a prompt refusal."""
+        loop = asyncio.get_running_loop()
+        for rnd in rounds:
+            loop.call_later(_CLOSED_ROUND_RETAIN_S, self._forget, rnd.digest)
+
+    def _forget(self, digest: bytes) -> None:
+        self._rounds.pop(digest, None)
+
+    async def find_round(self, digest: bytes, tag: bytes, wait_s: float) -> Round:
+        """The round `digest` names, waiting up to `wait_s` for it to start here;
+        AllReduceFailed if it does not, or if its key's matchmaking is over here."""
+        rnd = self._rounds.get(digest)
+        if rnd is not None:
+            return rnd
+        if tag in self._closed_keys:
+            raise AllReduceFailed("this peer is in no such group (its matchmaking ended otherwise)")
+        started = self._round_started.get(digest)
+        if started is None:
+            if len(self._round_started) >= _MAX_PENDING_ROUNDS:
+                raise AllReduceFailed("too many parts for rounds this peer has not started")
+            started = self._round_started[digest] = asyncio.Event()
+            self._pending_keys[digest] = tag
+        try:
+            await asyncio.wait_for(started.wait(), wait_s)
+        except asyncio.TimeoutError:
+            if self._round_started.get(digest) is started:  # nobody started it: drop the entry
+                self._round_started.pop(digest)
+                self._pending_keys.pop(digest, None)
+            raise AllReduceFailed(
+                f"no round {digest.hex()[:12]} here after {wait_s:.1f} s"
+            ) from None
+        rnd = self._rounds.get(digest)
+        if rnd is None:
+            raise AllReduceFailed("this peer is in no such group (its matchmaking ended otherwise)")
+        return rnd
+
+    # ------------------------------------------------------------------ part streams
+
+    async def serve(
+        self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """One part stream from `sender` (the libp2p-authenticated peer id), from its header to
+        the answer's delivery; closes the stream."""
+        try:
+            await self.serve_part(sender, reader, writer)
+            # closed only once the member has read the answer and closed its end (streams.linger)
+            if not await linger(reader):
+                logger.debug("%s did not close the answer stream", short_id(sender))
+        except EXCHANGE_ERRORS as e:
+            logger.debug("answer to %s not delivered: %r", short_id(sender), e)
+        finally:
+            writer.close()
+
+    async def serve_part(
+        self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Accept a member's part, reduce it, answer with the average or the reason it failed."""
+        try:
+            rnd = await self.claim_part(sender, reader)
+        except (AllReduceFailed, *EXCHANGE_ERRORS) as e:
+            # refused before joining a round: this stream counts for none
+            await asyncio.wait_for(P2P.send_raw_data(_refuse(sender, e), writer), _HEADER_TIMEOUT_S)
+            return
+        reply_timeout_s = _HEADER_TIMEOUT_S
+        try:
+            try:
+                response = OK + await self.reduce_part(rnd, sender, reader)
+                reply_timeout_s = max(rnd.remaining_s(), 1.0)
+            except (AllReduceFailed, *EXCHANGE_ERRORS) as e:
+                response = _refuse(sender, e)
+            # counted before it is written (send_raw_data hands the whole frame to the stream
+            # before it first waits): the round's counts need not wait for slow receivers
+            rnd.bytes_sent += framed_size(response)
+        finally:
+            rnd.answered()
+        await asyncio.wait_for(P2P.send_raw_data(response, writer), reply_timeout_s)
+
+    async def claim_part(self, sender: str, reader: asyncio.StreamReader) -> Round:
+        """Read a part's header and accept the stream into its round, or raise AllReduceFailed."""
+        raw = await asyncio.wait_for(
+            read_frame(reader, PART_HEADER.size, AllReduceFailed), _HEADER_TIMEOUT_S
+        )
+        header = PartHeader.unpack(raw)
+        wait_s = min(header.timeout_s, _UNKNOWN_ROUND_WAIT_S)
+        rnd = await self.find_round(header.digest, header.key_tag, wait_s)
+        _check_against_plan(rnd, sender, header)
+        rnd.accept(sender, framed_size(raw))
+        return rnd
+
+    async def reduce_part(self, rnd: Round, sender: str, reader: asyncio.StreamReader) -> bytes:
+        """Read an accepted member's part; return the round's answer once every part is in.
+
+        A part that arrives whole but does not decode is excluded and its sender refused (an
+        AllReduceFailed here); one that does not arrive whole fails the round.
+        """
+        numel = rnd.sizes[rnd.part]
+        expected_bytes = encoded_size(numel, rnd.compression)
+        try:
+            payload = await asyncio.wait_for(
+                read_frame(reader, expected_bytes, AllReduceFailed), rnd.remaining_s()
+            )
+            rnd.bytes_received += framed_size(payload)
+        except (AllReduceFailed, *EXCHANGE_ERRORS) as e:
+            # a member's part is lost: the round cannot complete, so tell everyone now
+            rnd.fail(f"the part of {short_id(sender)} failed: {type(e).__name__}: {e}")
+            raise
+        try:
+            part: Tensor | Exclusion = decode(payload, numel, rnd.compression)
+        except AllReduceFailed as e:
+            rnd.deliver(sender, Exclusion(Reason.MALFORMED, str(e)))
+            raise AllReduceFailed(f"malformed part, excluded: {e}") from None
+        rnd.deliver(sender, part)
+        return await asyncio.wait_for(asyncio.shield(rnd.result), rnd.remaining_s())
+
+
+def _check_against_plan(rnd: Round, sender: str, header: PartHeader) -> None:
+    """AllReduceFailed unless the part fits the plan every member agreed on; the sender is the
+    authenticated stream peer."""
+    if sender not in rnd.members or sender == rnd.me:
+        raise AllReduceFailed(f"{short_id(sender)} is not a member of round {rnd.key}")
+    if header.part != rnd.part:
+        raise AllReduceFailed(f"I reduce part {rnd.part}, not part {header.part}")
+    if header.codec != CODEC_ID[rnd.compression]:
+        raise AllReduceFailed(f"codec {header.codec} differs from mine ({rnd.compression})")
+    if header.numel != rnd.sizes[header.part]:
+        raise AllReduceFailed(f"part of {header.numel} elements, expected {rnd.sizes[header.part]}")
+    if header.weight != rnd.weights[rnd.members.index(sender)]:
+        raise AllReduceFailed(f"weight {header.weight} differs from the one agreed at matchmaking")
+    if sender in rnd.claimed:
+        raise AllReduceFailed(f"duplicate part from {short_id(sender)}")
+    if rnd.result.done():
+        raise AllReduceFailed("round is already over on its reducer")
+
+
+def _refuse(sender: str, error: Exception) -> bytes:
+    """The answer to a part that failed (wire.refusal), logged."""
+    logger.debug("part from %s refused: %s", short_id(sender), error)
+    return refusal(error)
