@@ -3,6 +3,7 @@ every background part shares."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -160,3 +161,42 @@ def test_the_ledger_merges_pending_and_recontributes_only_the_lost_version() -> 
     assert ledger.recontribute(6)
     assert ledger.pending is fresh and ledger.last_own is None
     assert not ledger.recontribute(6)  # only once
+
+
+@pytest.mark.timeout(60)
+def test_the_ban_list_holds_under_four_threads() -> None:
+    """The network loop and the round ban, the heartbeat, the metrics and the headers read: no
+    read sees a half-changed list, no ban is lost."""
+    from diloco_peer.averaging.contribution import BanList
+
+    bans = BanList(ban_rounds=1_000_000)
+    errors: list[BaseException] = []
+    per_thread = 2_000
+
+    def writer(tag: str) -> None:
+        for i in range(per_thread):
+            bans.ban(f"{tag}{i}", "norm above bound", version=i)
+
+    def reader() -> None:
+        try:
+            for i in range(0, per_thread, 10):
+                bans.active(i)
+                bans.for_header(i)
+                _ = bans.total
+        except BaseException as e:  # dictionary changed size during iteration, ...
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in ("A", "B")]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert bans.total == 2 * per_thread
+    assert len(bans.active(0)) == 2 * per_thread

@@ -33,6 +33,7 @@ import math
 import os
 import re
 import statistics
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -347,22 +348,33 @@ class Ban:
 
 
 class BanList:
-    """Peers this peer excludes, each until a version; what its headers and `status` show."""
+    """Peers this peer excludes, each until a version; what its headers and `status` show.
+
+    Thread-safe: the network loop bans (admission), the training thread bans (reducers'
+    verdicts) and reads (headers), the heartbeat and the metrics endpoint read."""
 
     def __init__(self, ban_rounds: int) -> None:
         self.ban_rounds = ban_rounds
+        self._lock = threading.Lock()
         self._bans: dict[str, Ban] = {}
-        self.total = 0
+        self._total = 0
+
+    @property
+    def total(self) -> int:
         """Bans issued since start (a re-ban of a banned peer counts again)."""
+        with self._lock:
+            return self._total
 
     def ban(self, peer: str, reason: str, version: int) -> None:
-        self._bans[peer] = Ban(reason, version, version + self.ban_rounds)
-        self.total += 1
+        with self._lock:
+            self._bans[peer] = Ban(reason, version, version + self.ban_rounds)
+            self._total += 1
 
     def active(self, version: int) -> dict[str, Ban]:
         """Bans still in force at `version`, newest last (expired ones are forgotten)."""
-        self._bans = {p: b for p, b in self._bans.items() if b.until_version > version}
-        return dict(self._bans)
+        with self._lock:
+            self._bans = {p: b for p, b in self._bans.items() if b.until_version > version}
+            return dict(self._bans)
 
     def for_header(self, version: int) -> tuple[str, ...]:
         """The most recent bans, as many as a header carries, sorted."""

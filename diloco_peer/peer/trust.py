@@ -13,6 +13,7 @@ hooks and holds no mode of its own.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,6 +68,7 @@ class Guard:
         self.admitted: dict[str, ContributionHeader] = {}
         """Headers admitted in the last screened group (their shard counts feed the sampler)."""
         self._exclusions: list[tuple[str, str]] = []
+        self._lock = threading.Lock()  # exclusions come from the network loop and the round
 
     # ----- this peer's contribution
 
@@ -147,7 +149,8 @@ class Guard:
         if peer == self.identity.peer_id_str:
             return
         self.bans.ban(peer, reason, version)
-        self._exclusions.append((peer, reason))
+        with self._lock:
+            self._exclusions.append((peer, reason))
         log.warning("banned %s for %d versions: %s", peer[-8:], self.bans.ban_rounds, reason)
 
     def head_bans(self, version: int) -> dict[str, str] | None:
@@ -158,7 +161,8 @@ class Guard:
 
     def drain_exclusions(self) -> list[tuple[str, str]]:
         """The (peer, reason) bans issued since the last call, for the event log."""
-        out, self._exclusions = self._exclusions, []
+        with self._lock:
+            out, self._exclusions = self._exclusions, []
         return out
 
     def group_shards(self, result: GroupResult) -> dict[int, int]:
