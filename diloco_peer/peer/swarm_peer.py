@@ -66,6 +66,28 @@ SETTLE_MAX_S = 60.0
 """At the run's end, how long a peer waits at most for peers still in a phase (`_settle`)."""
 
 
+def run_ended(
+    spec: PeerSpec,
+    *,
+    rounds_done: int,
+    version: int,
+    departed_version: int,
+    applied_steps: int,
+    elapsed_s: float,
+) -> bool:
+    """Whether this peer's run is over: --max-rounds, --until-version, --until-steps or
+    --max-hours reached (each 0: no such limit)."""
+    return (
+        bool(spec.max_rounds and rounds_done >= spec.max_rounds)
+        or bool(spec.until_version and version >= spec.until_version)
+        # the others reached the run's end and left while this peer trained: applying its δ
+        # alone now would only make a state nobody else holds
+        or bool(spec.until_version and departed_version >= spec.until_version)
+        or bool(spec.until_steps and applied_steps >= spec.until_steps)
+        or bool(spec.max_hours and elapsed_s >= spec.max_hours * 3600)
+    )
+
+
 class SwarmPeer:
     """One peer: `start()`, `run_loop()`, `shutdown()` (see the module docstring)."""
 
@@ -311,17 +333,11 @@ class SwarmPeer:
 
     def finished(self) -> bool:
         """--max-rounds, --until-version or --until-steps reached, or a stop was requested."""
-        spec, version = self.spec, self.state.version
-        return (
-            self._stop.is_set()
-            or bool(spec.max_rounds and self.counters.rounds_done >= spec.max_rounds)
-            or bool(spec.until_version and version >= spec.until_version)
-            # the others reached the run's end and left while this peer trained: applying its
-            # δ alone now would only make a state nobody else holds
-            or bool(spec.until_version and self.heads.book.departed_version >= spec.until_version)
-            or bool(spec.until_steps and self.applied_steps() >= spec.until_steps)
-            or bool(spec.max_hours and time.time() - self.counters.t_start >= spec.max_hours * 3600)
-        )
+        return self._stop.is_set() or run_ended(
+            self.spec, rounds_done=self.counters.rounds_done, version=self.state.version,
+            departed_version=self.heads.book.departed_version,
+            applied_steps=self.applied_steps(), elapsed_s=time.time() - self.counters.t_start,
+        )  # fmt: skip
 
     def applied_steps(self) -> int:
         """Local steps the swarm state holds, all peers together (from the shard counters)."""

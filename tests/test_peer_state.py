@@ -1,0 +1,259 @@
+"""A peer's state without a network: a phase of inner training, the replica and a replay from
+another replica's update log, the peer checkpoint (restart, pending δ, corruption), the end of a
+run, metrics and TensorBoard. These were checked only by real swarms before (tests/test_swarm.py
+keeps the end-to-end runs, in the slow phase)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.coordinator_free.manifest import Manifest
+from diloco_peer.coordinator_free.records import PeerHead
+from diloco_peer.coordinator_free.state_transfer import StateBlob
+from diloco_peer.coordinator_free.swarm_view import SwarmView
+from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
+from diloco_peer.errors import CheckpointError
+from diloco_peer.identity import Identity
+from diloco_peer.peer import peer_checkpoint
+from diloco_peer.peer.catch_up import CatchUp
+from diloco_peer.peer.delta import Contribution
+from diloco_peer.peer.heads import Activity
+from diloco_peer.peer.phase import Controls, Phase, PhasePaused, StopRequested, build_training
+from diloco_peer.peer.replica import Replica
+from diloco_peer.peer.swarm_peer import run_ended
+from diloco_peer.peer.telemetry import Counters, Gauges, RoundReport, TensorBoard, serve_metrics
+
+OWNER = Identity.generate()
+SWARM = SwarmSettings()
+
+
+def manifest(run: RunSpec, name: str = "t") -> object:
+    return Manifest.create(name, run, SWARM, OWNER)
+
+
+def phase_of(run: RunSpec, signed: object, *, peer: str = "PeerA", **controls: object) -> Phase:
+    training = build_training(run, SWARM, PeerSpec(threads=1), peer, signed.digest)  # type: ignore[attr-defined]
+    ctl = {
+        "stop": threading.Event(), "paused": threading.Event(), "on_step": lambda *a: None,
+        "publish_head": lambda: None, "expected_until": lambda: None, **controls,
+    }  # fmt: skip
+    return Phase(
+        training, run=run, swarm=SWARM, me=peer, pinned_shard=-1, throttle=1.0,
+        in_flight=lambda counts, oldest: counts, activity=Activity(), counters=Counters(),
+        controls=Controls(**ctl),  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run() -> RunSpec:
+    return RunSpec(
+        model="nano", max_tokens=100_000, seq_len=32, batch_size=4, val_sequences=4,
+        inner_steps=5, warmup_steps=2, num_shards=4,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_a_phase_trains_h_steps_over_the_shards_and_returns_its_delta(run: RunSpec) -> None:
+    phase = phase_of(run, manifest(run))
+    view = SwarmView("PeerA", 0, "0" * 64, {})
+    steps = phase.plan_steps(view)
+    mine, loss = phase.train(steps, phase.unseen_steps(view, []))
+    assert steps == run.inner_steps and mine.steps == steps and loss > 0
+    assert sum(mine.shard_samples.values()) == steps * run.batch_size
+    assert mine.base_version == 0
+    theta, local = phase.t.state.theta, phase.t.trainer.params
+    assert all(
+        torch.equal(d, t - p.detach()) for d, t, p in zip(mine.delta, theta, local, strict=True)
+    )
+    assert any(d.abs().sum() > 0 for d in mine.delta)
+    assert phase.counters.started_training and phase.counters.compute_s > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_pause_mid_phase_keeps_the_partial_delta_and_a_stop_ends_the_phase(
+    run: RunSpec,
+) -> None:
+    paused = threading.Event()
+    paused.set()
+    phase = phase_of(run, manifest(run), paused=paused)
+    with pytest.raises(PhasePaused) as caught:
+        phase.train(5)
+    partial = caught.value.partial
+    assert partial.steps == 1 and sum(partial.shard_samples.values()) == run.batch_size
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(StopRequested):
+        phase_of(run, manifest(run), stop=stop).train(5)
+
+
+def commit_twice(replica: Replica, run: RunSpec) -> None:
+    for value in (0.01, -0.02):
+        replica.commit([torch.full_like(t, value) for t in replica.state.theta], ["PeerA"],
+                       {0: run.batch_size})  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_behind_replays_another_replicas_updates_to_the_same_hash(
+    run: RunSpec,
+) -> None:
+    signed = manifest(run)
+    ahead = Replica(phase_of(run, signed).t.state, UpdateLog(8))
+    behind = Replica(phase_of(run, signed, peer="PeerB").t.state, UpdateLog(8))
+    ahead.snapshot()
+    behind.snapshot()
+    commit_twice(ahead, run)
+    assert ahead.version == 2 and ahead.published_hash == ahead.state.hash()
+
+    class FromAhead:
+        def update(self, donor: str, base_version: int) -> bytes:
+            data = ahead.updates.get(base_version)
+            assert data is not None
+            return data
+
+        def state(self, donor: str) -> StateBlob:
+            raise AssertionError("two updates cost less than the state: no download")
+
+        state_multi = state
+
+    # a big state (by its blob) makes the replay the cheaper way
+    behind.blob = StateBlob(version=0, state_hash=behind.published_hash, data=b"x" * 10**7)
+    view = SwarmView("PeerB", 0, behind.published_hash,
+                     {"PeerA": PeerHead(peer_id="PeerA", version=2, state_hash=ahead.published_hash)})  # fmt: skip
+    choice = view.choose_head()
+    assert choice is not None
+    moved = CatchUp(behind, FromAhead(), me="PeerB", keep_updates=8).run(choice)  # type: ignore[arg-type]
+    assert moved is not None and moved.method == "replay" and not moved.lost_fork
+    assert (
+        behind.state.hash() == ahead.state.hash() and behind.published_hash == ahead.published_hash
+    )
+    kept, served = (UpdateRecord.from_bytes(r.updates.get(1) or b"") for r in (behind, ahead))
+    assert (kept.base_hash, kept.result_hash) == (served.base_hash, served.result_hash)  # kept
+    assert all(torch.equal(a, b) for a, b in zip(kept.average, served.average, strict=True))
+    # a change not published (a replay or download that failed its check) is undone
+    published = behind.published_hash
+    behind.state.apply([torch.ones_like(t) for t in behind.state.theta], 1, {})
+    assert behind.state.hash() != published
+    behind.restore()
+    assert behind.state.hash() == published and behind.version == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_checkpoint_restores_state_adam_streams_rounds_and_a_pending_delta(
+    run: RunSpec, tmp_path: Path
+) -> None:
+    signed = manifest(run)
+    phase = phase_of(run, signed)
+    mine, _ = phase.train(5)
+    replica = Replica(phase.t.state, UpdateLog(4))
+    replica.commit(mine.delta, ["PeerA"], mine.shard_samples)
+    pending = Contribution([d * 0.5 for d in mine.delta], 1, {2: 8}, 2)
+    path = peer_checkpoint.checkpoint_path(str(tmp_path), "t")
+    assert path is not None
+    parts = lambda t: peer_checkpoint.PeerParts(t.state, t.trainer, t.streams, signed, "PeerA")  # noqa: E731
+    peer_checkpoint.save(path, parts(phase.t), rounds_done=7, pending=pending)
+    assert peer_checkpoint.stored_manifest(path, "t") == signed
+
+    fresh = phase_of(run, signed)  # a restart: a new process builds everything anew
+    resumed = peer_checkpoint.load(path, parts(fresh.t))
+    assert resumed.rounds_done == 7
+    assert resumed.pending is not None and resumed.pending.base_version == 1
+    assert resumed.pending.shard_samples == {2: 8} and resumed.pending.steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(resumed.pending.delta, pending.delta, strict=True))
+    assert fresh.t.state.hash() == phase.t.state.hash() and fresh.t.state.version == 1
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.t.trainer.params, phase.t.trainer.params, strict=True)
+    )
+    assert [s.state_dict() for s in fresh.t.streams] == [s.state_dict() for s in phase.t.streams]
+    before = phase.t.trainer.optimizer.state_dict()["state"]
+    after = fresh.t.trainer.optimizer.state_dict()["state"]
+    assert all(torch.equal(before[k]["exp_avg"], after[k]["exp_avg"]) for k in before)
+
+    # a flipped byte: refused with one clear line, the file left as it is
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        peer_checkpoint.load(path, parts(phase_of(run, signed).t))
+    assert path.read_bytes() == bytes(data)
+    # another run's checkpoint
+    peer_checkpoint.save(path, parts(phase.t), rounds_done=7, pending=None)
+    other = manifest(run, name="other")
+    with pytest.raises(CheckpointError, match="another run manifest"):
+        peer_checkpoint.load(path, peer_checkpoint.PeerParts(
+            fresh.t.state, fresh.t.trainer, fresh.t.streams, other, "PeerA"))  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_a_run_ends_at_the_first_limit_reached() -> None:
+    def ended(**limits: float) -> bool:
+        spec = PeerSpec(**{k: v for k, v in limits.items() if k in PeerSpec.__dataclass_fields__})
+        facts = {"rounds_done": 3, "version": 10, "departed_version": -1, "applied_steps": 500,
+                 "elapsed_s": 100.0}  # fmt: skip
+        facts.update({k: v for k, v in limits.items() if k in facts})
+        return run_ended(spec, **facts)  # type: ignore[arg-type]
+
+    assert not ended()  # no limit: runs until stopped
+    assert ended(max_rounds=3) and not ended(max_rounds=4)
+    assert ended(until_version=10) and not ended(until_version=11)
+    # the others left at the run's end while this peer trained
+    assert ended(until_version=11, departed_version=11) and not ended(departed_version=11)
+    assert ended(until_steps=500) and not ended(until_steps=501)
+    assert ended(max_hours=0.02, elapsed_s=72.0) and not ended(max_hours=0.02, elapsed_s=71.9)
+
+
+def report(version: int) -> RoundReport:
+    return RoundReport(version=version, state_hash="0" * 64, group_size=2, loss=3.5, ppl=30.0,
+                       comm_s=0.5, bytes_sent=100, bytes_received=120, steps=10)  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_the_metrics_endpoint_serves_every_metric_in_the_exposition_format() -> None:
+    counters = Counters()
+    for v in (1, 2):
+        counters.add_round(report(v))
+    counters.last_loss = 3.5
+    gauges = Gauges(version=lambda: 2, speed=lambda: 1.5, paused=lambda: False, bans=lambda: 0,
+                    bans_total=lambda: 0)  # fmt: skip
+    server = serve_metrics("127.0.0.1", 0, counters, gauges, {"peer": "PeerA", "run": "t"})
+    assert server is not None
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        server.shutdown()
+        server.shutdown()
+    sample = re.compile(r'^[a-z_]+\{peer="[^"]+",run="t"\} [-+0-9.eNaInf]+$')
+    lines = [x for x in text.splitlines() if x and not x.startswith("#")]
+    assert lines and all(sample.match(x) for x in lines), text
+    values = {x.split("{")[0]: float(x.rsplit(" ", 1)[1]) for x in lines}
+    assert values["diloco_peer_version"] == 2 and values["diloco_peer_rounds_total"] == 2
+    assert values["diloco_peer_bytes_sent_total"] == 200 and values["diloco_peer_ppl"] == 30.0
+    for name in ("diloco_peer_loss", "diloco_peer_group_size", "diloco_peer_bans",
+                 "diloco_peer_bans_total", "diloco_peer_inner_steps_per_second"):  # fmt: skip
+        assert name in values, name
+    assert "diloco_peer_idle_fraction" not in values  # not known before the first step
+    assert "# TYPE diloco_peer_rounds_total counter" in text
+    assert serve_metrics("127.0.0.1", -1, counters, gauges, {"peer": "p", "run": "t"}) is None
+
+
+@pytest.mark.timeout(60)
+def test_tensorboard_gets_one_scalar_per_metric_per_round(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board, counters = TensorBoard(str(tmp_path / "tb")), Counters()
+    for v in (1, 2, 3):
+        counters.add_round(report(v))
+        board.write(report(v), counters)
+    board.close()
+    TensorBoard(None).write(report(4), counters)  # no folder: nothing, no error
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert {"diloco/loss", "diloco/group_size", "diloco/comm_s"} <= set(acc.Tags()["scalars"])
+    assert [s.step for s in acc.Scalars("diloco/loss")] == [1, 2, 3]
