@@ -274,7 +274,13 @@ class StandIn:
             'printf "%s\\n" "$@" > "$RECORD"\n'
         )
         fake.chmod(0o755)
-        (bin_dir / "python").symlink_to(sys.executable)
+        # The script's `python` must be this interpreter, venv and all. A script that execs
+        # sys.executable, not a symlink to it: a venv's python finds its venv (pyvenv.cfg)
+        # beside the path it was started by, so a link in another folder starts the base
+        # interpreter, without the venv's packages.
+        python = bin_dir / "python"
+        python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        python.chmod(0o755)
         self.path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
         self.address_file = tmp / "swarm" / "founder.maddr"
         self.address_file.parent.mkdir()
