@@ -1,23 +1,10 @@
 """Helpers the benches share (each bench runs as `python bench/NAME.py`, so this directory is
-on sys.path)."""
+on sys.path). Peers are launched and their event logs read by diloco_peer/local_swarm.py and
+diloco_peer/peer/events.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """The JSON events of a peer's `--log-json` file; lines still being written are skipped."""
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
 
 
 def write_section(path: Path, generated: str, begin: str, end: str, notes_marker: str) -> None:

@@ -40,6 +40,8 @@ from typing import Any
 
 import _common
 
+from diloco_peer.peer.events import read_log
+
 PROTOCOLS = ("sync", "async")
 SECTION_BEGIN = "<!-- begin: bench/async_swarm.py (rewritten by the bench) -->"
 SECTION_END = "<!-- end: bench/async_swarm.py -->"
@@ -100,11 +102,7 @@ def round_digest(logs: str | None, names: list[str]) -> dict[str, Any]:
         catch_ups: list[dict[str, Any]] = []
         other: dict[str, int] = {}
         last_wait = 0.0
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        for ev in read_log(path):
             kind = ev.get("event")
             if kind == "round":
                 wait = float(ev.get("wait_s") or 0.0)

@@ -6,7 +6,7 @@ peer started with `--chaos MODE`. Each run reports, over the honest peers:
 
 - whether any honest state ever held NaN/Inf (`finite` in each stop event, ppl in every round);
 - whether their state hashes agree at every version (forks healed within one round allowed, as
-  in tests/test_swarm.py's assert_one_branch);
+  in diloco_peer/local_swarm.py's `branches`);
 - the final held-out ppl (median over the honest peers) and its ratio to the baseline's. The
   honest peers have the same keys in every run and each trains one pinned shard (`--shard I`,
   canonical order), so a run whose every average is of the 5 honest δs alone reproduces the
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,42 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import read_events
+from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
+from diloco_peer.peer.events import read_log
 
 MODES = ("nan", "scale=1000", "signflip", "random", "stale", "forge", "replay", "wrong-shape")
 HONEST = 5
-PY = [sys.executable, "-m", "diloco_peer"]
+PY = list(PEER_COMMAND)
 SECTION_BEGIN = "<!-- begin: bench/chaos_swarm.py (rewritten by the bench) -->"
 SECTION_END = "<!-- end: bench/chaos_swarm.py -->"
 PPL_TOLERANCE = 0.02
-
-
-def _one_branch(logs: list[Path]) -> bool:
-    """tests/test_swarm.py's invariant: equal hashes per version, unless abandoned by a heal."""
-    agreed: dict[int, str] = {}
-    for log in logs:
-        states: list[list[Any]] = []
-        for e in read_events(log):
-            if e["event"] == "catch_up" and e.get("fork"):
-                for st in states:
-                    if e["from_version"] - 1 <= st[0] <= e["from_version"]:
-                        st[2] = True
-            if e["event"] in ("round", "catch_up"):
-                states.append([e["version"], e["state_hash"], False])
-        for version, state_hash, abandoned in states:
-            if not abandoned and agreed.setdefault(version, state_hash) != state_hash:
-                return False
-    return True
-
-
-def _maddr(log: Path, timeout_s: float) -> str:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        for e in read_events(log):
-            if e["event"] == "start" and e.get("maddrs"):
-                return next(m for m in e["maddrs"] if "127.0.0.1" in m)
-        time.sleep(0.3)
-    raise TimeoutError(f"the founder did not start within {timeout_s} s")
 
 
 def run_once(
@@ -80,31 +51,25 @@ def run_once(
     """One run; `keys` are the honest peers' key files (the same in every run)."""
     folder.mkdir(parents=True)
     expected = HONEST + (1 if mode else 0)
-    common = ["--run", "chaos", "--host", "127.0.0.1", "--quiet", "--threads", "1",
-              "--until-version", str(args.versions)]  # fmt: skip
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(name: str, *extra: str) -> Path:
-        log = folder / f"{name}.jsonl"
-        cmd = [*PY, "join", *common, "--log-json", str(log), *extra]
-        procs.append(subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=open(folder / f"{name}.err", "wb"),
-            start_new_session=True,
-        ))  # fmt: skip
-        return log
-
+    join_args = ["--host", "127.0.0.1", "--quiet", "--threads", "1",
+                 "--until-version", str(args.versions)]  # fmt: skip
     t0 = time.time()
     status_doc: dict[str, Any] = {}
-    try:
+    with LocalSwarm(folder, run="chaos", join_args=join_args) as peers:
         pinned = [["--identity", str(keys[i]), "--shard", str(i)] for i in range(HONEST)]
-        founder = start("honest0", "--model", "nano", "--inner-steps", str(args.inner_steps),
-                        "--expected-peers", str(expected), *pinned[0])  # fmt: skip
-        swarm = ["--swarm", _maddr(founder, 120)]
-        logs = [founder] + [start(f"honest{i}", *swarm, *pinned[i]) for i in range(1, HONEST)]
-        hostile = start("hostile", *swarm, "--chaos", mode) if mode else None
+        founder_proc, founder = peers.start(
+            "honest0", "--model", "nano", "--inner-steps", str(args.inner_steps),
+            "--expected-peers", str(expected), *pinned[0],
+        )  # fmt: skip
+        swarm = ["--swarm", peers.address(founder, 120, proc=founder_proc, ip="127.0.0.1")]
+        logs = [founder] + [
+            peers.start(f"honest{i}", *swarm, *pinned[i])[1] for i in range(1, HONEST)
+        ]
+        hostile = peers.start("hostile", *swarm, "--chaos", mode)[1] if mode else None
+        honest = peers.procs[:HONEST]
         deadline = time.time() + args.timeout_s
-        while time.time() < deadline and any(p.poll() is None for p in procs[:HONEST]):
-            excluded = any(e["event"] == "excluded" for log in logs for e in read_events(log))
+        while time.time() < deadline and any(p.poll() is None for p in honest):
+            excluded = any(e["event"] == "excluded" for log in logs for e in read_log(log))
             if hostile and excluded and not status_doc:
                 out = subprocess.run(
                     [*PY, "status", *swarm, "--run", "chaos", "--json"],
@@ -113,22 +78,15 @@ def run_once(
                 if out.returncode == 0 and out.stdout.strip():
                     status_doc = json.loads(out.stdout)
             time.sleep(1.0)
-        finished = all(p.poll() is not None for p in procs[:HONEST])
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=10)
+        finished = all(p.poll() is not None for p in honest)
     wall_s = time.time() - t0
     hostile_id = None
     if hostile is not None:
-        hostile_id = next((e["peer"] for e in read_events(hostile) if e["event"] == "start"), None)
-    stops = [next((e for e in read_events(log) if e["event"] == "stop"), None) for log in logs]
-    rounds = [e for log in logs for e in read_events(log) if e["event"] == "round"]
+        hostile_id = next((e["peer"] for e in read_log(hostile) if e["event"] == "start"), None)
+    stops = [next((e for e in read_log(log) if e["event"] == "stop"), None) for log in logs]
+    rounds = [e for log in logs for e in read_log(log) if e["event"] == "round"]
     reasons = sorted({
-        e["reason"] for log in logs for e in read_events(log)
+        e["reason"] for log in logs for e in read_log(log)
         if e["event"] == "excluded" and e.get("excluded_peer") == hostile_id
     })  # fmt: skip
     ppls = [s["ppl"] for s in stops if s and s.get("ppl") is not None]
@@ -141,7 +99,7 @@ def run_once(
         "final_versions": [s["version"] if s else None for s in stops],
         "honest_finite": all(s and s.get("finite") for s in stops)
         and all(r.get("ppl") is not None for r in rounds),
-        "one_branch": _one_branch(logs),
+        "one_branch": branches(*logs).one_branch,
         "final_ppl": statistics.median(ppls) if ppls else None,
         "final_hashes": final_hashes,
         "hostile_excluded": bool(reasons),

@@ -61,12 +61,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import _common
-from _common import read_events
 
+from diloco_peer.errors import LocalPeerFailed
+from diloco_peer.local_swarm import LocalSwarm, kill_session, spawn
 from diloco_peer.netlab import Host, NetLab
+from diloco_peer.peer.events import read_log
 
 SECTIONS = ("allreduce", "join", "swarm", "quality")
 COMPRESSIONS = ("none", "fp16", "int8", "int4")
@@ -99,41 +101,22 @@ class WorkerDied(RuntimeError):
 
 
 class Procs:
-    """Every process the bench starts, each in a session (process group) of its own, so that
-    killing the group also kills what it forked (hivemind's DHT process, the p2p daemon)."""
+    """Every process the bench starts, each in a session (process group) of its own
+    (local_swarm.spawn), so that killing the session also kills what it forked (hivemind's DHT
+    process, the p2p daemon)."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[Any]] = []
-        self.files: list[IO[Any]] = []
 
-    def popen(
-        self, argv: list[str], log: Path | None = None, **kwargs: Any
-    ) -> subprocess.Popen[Any]:
-        if log is not None:
-            stream = open(log, "ab")  # noqa: SIM115  (closed in kill_all)
-            self.files.append(stream)
-            kwargs.setdefault("stderr", stream)
-            kwargs.setdefault("stdout", subprocess.DEVNULL)
-        proc = subprocess.Popen(argv, start_new_session=True, cwd=REPO, **kwargs)
+    def popen(self, argv: list[str], log: Path, **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start `argv` from the repository, its stderr (and by default its stdout) to `log`."""
+        proc = spawn(argv, stderr=log, cwd=REPO, **kwargs)
         self.procs.append(proc)
         return proc
 
-    @staticmethod
-    def kill(proc: subprocess.Popen[Any]) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            say(f"process {proc.pid} did not die within 10 s of SIGKILL")
-
     def kill_all(self) -> None:
         while self.procs:
-            self.kill(self.procs.pop())
-        while self.files:
-            self.files.pop().close()
+            kill_session(self.procs.pop())
 
 
 class Worker:
@@ -487,7 +470,7 @@ def section_join(args: argparse.Namespace, procs: Procs, folder: Path) -> dict[s
             while True:
                 message = joiner.recv(max(1.0, deadline - time.time()))
                 if message.get("op") == "progress" and kill is not None:
-                    Procs.kill(kill.proc)
+                    kill_session(kill.proc)
                     killed_at = {"seconds": message["seconds"],
                                  "fraction": message["received"] / message["total"]}  # fmt: skip
                     say(f"join: killed {kill.name} at {killed_at['seconds']:.2f} s "
@@ -580,20 +563,6 @@ def section_join(args: argparse.Namespace, procs: Procs, folder: Path) -> dict[s
 # ---------------------------------------------------------------------- swarm
 
 
-def _founder_maddr(log: Path, ip: str, proc: subprocess.Popen[Any], timeout_s: float) -> str:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        for e in read_events(log):
-            if e["event"] == "start" and e.get("maddrs"):
-                found = [m for m in e["maddrs"] if f"/{ip}/" in m]
-                if found:
-                    return found[0]
-        if proc.poll() is not None:
-            raise WorkerDied(f"the founder exited with {proc.returncode}")
-        time.sleep(0.3)
-    raise WorkerDied(f"the founder did not start within {timeout_s} s")
-
-
 def nano_parameters() -> int:
     from diloco_peer.peer.model import build_model, count_parameters
 
@@ -610,7 +579,7 @@ def section_swarm(args: argparse.Namespace, procs: Procs, folder: Path) -> dict[
         for compression in args.swarm_compressions:
             sub = folder / f"swarm-{compression}"
             sub.mkdir()
-            run = swarm_run(args, procs, hosts, compression, sub)
+            run = swarm_run(args, hosts, compression, sub)
             for name in ("wire_tx_per_step", "wire_rx_per_step", "allreduce_sent_per_step"):
                 run[name.replace("per_step", "vs_dp")] = (
                     run[name] / dp_per_step if run[name] is not None else None
@@ -627,7 +596,7 @@ def section_swarm(args: argparse.Namespace, procs: Procs, folder: Path) -> dict[
 
 
 def swarm_run(
-    args: argparse.Namespace, procs: Procs, hosts: list[Host], compression: str, folder: Path
+    args: argparse.Namespace, hosts: list[Host], compression: str, folder: Path
 ) -> dict[str, Any]:
     """One swarm of `diloco-peer join` peers, one per host, until --versions; per-peer counts."""
     import dataclasses
@@ -645,27 +614,28 @@ def swarm_run(
     say(f"swarm {compression}: {len(hosts)} peers, nano, H={args.inner_steps}, "
         f"until version {args.versions}, {args.swarm_mbit:g} Mbit links")  # fmt: skip
     t0 = time.time()
-    peers: list[subprocess.Popen[Any]] = []
-    for i, host in enumerate(hosts):
-        argv = [PY, "-m", "diloco_peer", "join", "--run", f"wan{compression}",
-                "--host", host.ip, "--quiet", "--threads", "1",
-                "--until-version", str(args.versions), "--log-json", str(logs[i])]  # fmt: skip
-        if i == 0:
-            argv += ["--config", str(config)]
-        else:
-            argv += ["--swarm", _founder_maddr(logs[0], hosts[0].ip, peers[0], 180)]
-        peers.append(procs.popen(host.argv(argv), log=folder / f"peer{i}.err"))
-    deadline = time.time() + args.swarm_timeout_s
-    while time.time() < deadline and any(p.poll() is None for p in peers):
-        time.sleep(1.0)
-    finished = all(p.poll() == 0 for p in peers)
-    for p in peers:
-        Procs.kill(p)
+    join_args = ["--quiet", "--threads", "1", "--until-version", str(args.versions)]
+    with LocalSwarm(folder, run=f"wan{compression}", join_args=join_args, cwd=REPO) as swarm:
+        founder, _ = swarm.start(
+            "peer0", "--host", hosts[0].ip, "--config", str(config), wrap=hosts[0].argv([])
+        )
+        try:
+            maddr = swarm.address(logs[0], 180, proc=founder, ip=hosts[0].ip)
+        except LocalPeerFailed as e:
+            raise WorkerDied(f"the founder exited with {founder.returncode}") from e
+        except TimeoutError as e:
+            raise WorkerDied("the founder did not start within 180 s") from e
+        for i, host in enumerate(hosts[1:], start=1):
+            swarm.start(f"peer{i}", "--host", host.ip, "--swarm", maddr, wrap=host.argv([]))
+        deadline = time.time() + args.swarm_timeout_s
+        while time.time() < deadline and swarm.running():
+            time.sleep(1.0)
+        finished = all(p.poll() == 0 for p in swarm.procs)
     wall_s = time.time() - t0
     after = [(h.tx_bytes(), h.rx_bytes()) for h in hosts]
     per_peer = []
     for i, log in enumerate(logs):
-        events = read_events(log)
+        events = read_log(log)
         rounds = [e for e in events if e["event"] == "round"]
         stop = next((e for e in events if e["event"] == "stop"), None)
         steps = sum(e.get("steps", 0) for e in rounds)
@@ -711,7 +681,7 @@ def section_quality(args: argparse.Namespace, procs: Procs, folder: Path) -> dic
         try:
             out, _ = proc.communicate(timeout=args.sim_timeout_s)
         except subprocess.TimeoutExpired:
-            Procs.kill(proc)
+            kill_session(proc)
             out = b""
         seconds = time.time() - t0
         try:

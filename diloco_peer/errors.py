@@ -131,3 +131,8 @@ class PartStopped(DilocoError, RuntimeError):
 
 class P2PServiceStopped(PartStopped):
     """The P2P service was shut down (or never started) while a call needed its loop."""
+
+
+class LocalPeerFailed(DilocoError, RuntimeError):
+    """A peer process started on this machine (local_swarm.py) exited, or started without what
+    its caller waited for (an address on the wanted interface)."""

@@ -1,13 +1,16 @@
-"""Shared fixtures of the engine tests: a tiny run, its dataset, one torch thread."""
+"""Shared fixtures: a tiny run, its dataset and one torch thread for the engine tests; a local
+swarm of real peer processes for the multi-peer tests."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from diloco_peer.config import RunSpec
+from diloco_peer.local_swarm import LocalSwarm
 from diloco_peer.peer.data import TokenDataset, build_dataset
 
 # Everything the engine tests train: the nano model on short sequences of a small corpus slice.
@@ -46,3 +49,11 @@ def small_run() -> RunSpec:
 def small_dataset() -> TokenDataset:
     r = SMALL_RUN
     return build_dataset(r.data, r.tokenizer, r.seq_len, r.val_sequences, r.max_tokens, r.seed)
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
+    """Peers of run `t` on 127.0.0.1 (quiet, one thread each), their logs in the test's folder;
+    every one is killed with its whole session when the test ends, whatever the outcome."""
+    with LocalSwarm(tmp_path, run="t") as peers:
+        yield peers

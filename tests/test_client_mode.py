@@ -10,42 +10,17 @@ connection to it. Needs root (network namespaces), as CI has.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from diloco_peer.local_swarm import LocalSwarm
 from diloco_peer.netlab import NetLab
+from diloco_peer.peer.events import read_log
 
-PY = [sys.executable, "-m", "diloco_peer"]
 PORT = 31337
-
-
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def _wait_event(log: Path, event: str, timeout_s: float) -> dict:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        for e in _events(log):
-            if e["event"] == event:
-                return e
-        time.sleep(0.2)
-    raise TimeoutError(f"no {event} in {log} within {timeout_s} s")
 
 
 def _dial(host_argv: list[str], ip: str, port: int) -> subprocess.CompletedProcess[str]:
@@ -60,57 +35,37 @@ def _dial(host_argv: list[str], ip: str, port: int) -> subprocess.CompletedProce
 @pytest.mark.slow  # 25-30 s each; the default suite is near its 15 minutes
 @pytest.mark.parametrize("mode", ["flag", "auto"])
 def test_a_dial_out_only_peer_contributes_to_the_rounds(tmp_path: Path, mode: str) -> None:
-    procs: list[subprocess.Popen[bytes]] = []
-    with NetLab() as lab:
-        try:
-            founder_host = lab.add_host(up_mbit=100, down_mbit=100)
-            peer_host = lab.add_host(up_mbit=100, down_mbit=100)
-            nat_host = lab.add_host(up_mbit=100, down_mbit=100, inbound=False)
+    join_args = ["--quiet", "--threads", "1", "--until-version", "3"]
+    with NetLab() as lab, LocalSwarm(tmp_path, run="t", join_args=join_args) as peers:
+        founder_host = lab.add_host(up_mbit=100, down_mbit=100)
+        peer_host = lab.add_host(up_mbit=100, down_mbit=100)
+        nat_host = lab.add_host(up_mbit=100, down_mbit=100, inbound=False)
+        _, log_f = peers.start(
+            "founder", "--model", "nano", "--inner-steps", "10", "--expected-peers", "3",
+            "--host", founder_host.ip, "--port", str(PORT), wrap=founder_host.argv([]),
+        )  # fmt: skip
+        maddr = peers.wait_event(log_f, "start", 120)["maddrs"][0]
+        _, log_p = peers.start(
+            "peer", "--swarm", maddr, "--host", peer_host.ip, wrap=peer_host.argv([])
+        )
+        _, log_c = peers.start(
+            "client", "--swarm", maddr, "--host", nat_host.ip, "--port", str(PORT),
+            *(["--client-mode"] if mode == "flag" else []), wrap=nat_host.argv([]),
+        )  # fmt: skip
+        err_c = tmp_path / "client.err"
+        client_id = peers.wait_event(log_c, "start", 120)["peer"]
 
-            def start(name: str, host_argv: list[str], *args: str) -> tuple[Path, Path]:
-                log, err = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.err"
-                cmd = [*PY, "join", "--run", "t", "--quiet", "--threads", "1",
-                       "--log-json", str(log), "--until-version", "3", *args]  # fmt: skip
-                procs.append(
-                    subprocess.Popen(
-                        [*host_argv, *cmd],
-                        stdout=subprocess.DEVNULL,
-                        stderr=open(err, "wb"),
-                        start_new_session=True,
-                    )  # fmt: skip
-                )
-                return log, err
+        # the volunteer's port is open inside its host, yet nobody outside can reach it
+        inside = _dial(nat_host.argv([]), nat_host.ip, PORT)
+        assert inside.returncode == 0, inside.stderr[-500:]
+        outside = _dial(peer_host.argv([]), nat_host.ip, PORT)
+        assert outside.returncode != 0 and "timed out" in outside.stderr, outside.stderr[-500:]
+        assert _dial(nat_host.argv([]), founder_host.ip, PORT).returncode == 0  # dials out
 
-            log_f, _ = start(
-                "founder", founder_host.argv([]), "--model", "nano", "--inner-steps", "10",
-                "--expected-peers", "3", "--host", founder_host.ip, "--port", str(PORT),
-            )  # fmt: skip
-            maddr = _wait_event(log_f, "start", 120)["maddrs"][0]
-            log_p, _ = start("peer", peer_host.argv([]), "--swarm", maddr, "--host", peer_host.ip)
-            log_c, err_c = start(
-                "client", nat_host.argv([]), "--swarm", maddr, "--host", nat_host.ip,
-                "--port", str(PORT), *(["--client-mode"] if mode == "flag" else []),
-            )  # fmt: skip
-            client_id = _wait_event(log_c, "start", 120)["peer"]
+        for proc in peers.procs:
+            assert proc.wait(timeout=240) == 0, err_c.read_text()[-3000:]
 
-            # the volunteer's port is open inside its host, yet nobody outside can reach it
-            inside = _dial(nat_host.argv([]), nat_host.ip, PORT)
-            assert inside.returncode == 0, inside.stderr[-500:]
-            outside = _dial(peer_host.argv([]), nat_host.ip, PORT)
-            assert outside.returncode != 0 and "timed out" in outside.stderr, outside.stderr[-500:]
-            assert _dial(nat_host.argv([]), founder_host.ip, PORT).returncode == 0  # dials out
-
-            for proc in procs:
-                assert proc.wait(timeout=240) == 0, err_c.read_text()[-3000:]
-        finally:
-            for proc in procs:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
-
-    rounds = {name: [e for e in _events(log) if e["event"] == "round"]
+    rounds = {name: [e for e in read_log(log) if e["event"] == "round"]
               for name, log in (("founder", log_f), ("peer", log_p), ("client", log_c))}  # fmt: skip
     # the client downloaded the state (from peers it dialed) or trained from version 0 with
     # them; either way it then took part in rounds whose average holds its δ
@@ -128,7 +83,7 @@ def test_a_dial_out_only_peer_contributes_to_the_rounds(tmp_path: Path, mode: st
             assert agreed.setdefault(e["version"], e["state_hash"]) == e["state_hash"], e
     assert max(e["version"] for e in rounds["client"]) == 3
     # the dial-back probe: the peer that can be dialed was, the volunteer was not
-    probes = {name: [e for e in _events(log) if e["event"] == "reachability"]
+    probes = {name: [e for e in read_log(log) if e["event"] == "reachability"]
               for name, log in (("peer", log_p), ("client", log_c))}  # fmt: skip
     assert [e["status"] for e in probes["peer"]] == ["public"], probes
     if mode == "auto":

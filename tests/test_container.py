@@ -13,7 +13,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import pytest
 import yaml
 
 from diloco_peer.identity import Identity
+from diloco_peer.local_swarm import kill_session, spawn
+from diloco_peer.peer.events import read_log
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
@@ -273,7 +274,13 @@ class StandIn:
             'printf "%s\\n" "$@" > "$RECORD"\n'
         )
         fake.chmod(0o755)
-        (bin_dir / "python").symlink_to(sys.executable)
+        # The script's `python` must be this interpreter, venv and all. A script that execs
+        # sys.executable, not a symlink to it: a venv's python finds its venv (pyvenv.cfg)
+        # beside the path it was started by, so a link in another folder starts the base
+        # interpreter, without the venv's packages.
+        python = bin_dir / "python"
+        python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        python.chmod(0o755)
         self.path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
         self.address_file = tmp / "swarm" / "founder.maddr"
         self.address_file.parent.mkdir()
@@ -344,18 +351,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line still being written
-    return events
-
-
 @pytest.fixture
 def peer_processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
@@ -364,11 +359,7 @@ def peer_processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     finally:
         # The whole session: a peer leaves its DHT process and libp2p daemon in its group.
         for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=10)
+            kill_session(p)
 
 
 @pytest.mark.slow
@@ -408,10 +399,9 @@ def test_compose_swarm_trains_through_dns_addresses(
             **os.environ, "SWARM_DATA_DIR": str(data), "SWARM_ADDRESS_FILE": str(address_file),
             "SWARM_WAIT_S": "5",
         }  # fmt: skip
-        peer_processes.append(subprocess.Popen(
-            ["sh", str(ENTRY_SCRIPT), *command], env=env, stdout=subprocess.DEVNULL,
-            stderr=open(tmp_path / f"{name}.err", "wb"), stdin=subprocess.DEVNULL,
-            start_new_session=True,
+        peer_processes.append(spawn(
+            ["sh", str(ENTRY_SCRIPT), *command], env=env, stderr=tmp_path / f"{name}.err",
+            stdin=subprocess.DEVNULL,
         ))  # fmt: skip
         logs[name] = data / "events.jsonl"
 
@@ -429,6 +419,6 @@ def test_compose_swarm_trains_through_dns_addresses(
         start(name)
     for name, proc in zip([founder, *followers], peer_processes, strict=True):
         assert proc.wait(timeout=200) == 0, (tmp_path / f"{name}.err").read_text()[-2000:]
-    firsts = [next(e for e in _events(logs[n]) if e["event"] == "round") for n in logs]
+    firsts = [next(e for e in read_log(logs[n]) if e["event"] == "round") for n in logs]
     assert all(e["version"] == 1 and e["group_size"] == 3 for e in firsts), firsts
     assert len({e["state_hash"] for e in firsts}) == 1

@@ -21,6 +21,7 @@ from diloco_peer.coordinator_free.manifest import (
 )
 from diloco_peer.errors import BadInput
 from diloco_peer.identity import Identity
+from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm
 from diloco_peer.peer.doctor import (
     CLOCK_FAIL_S,
     Check,
@@ -37,7 +38,9 @@ from diloco_peer.peer.doctor import (
     relay_check,
     verdicts,
 )
-from tests.test_swarm import NANO, PY, Swarm, swarm  # noqa: F401
+
+NANO = ["--model", "nano", "--inner-steps", "10"]
+PY = list(PEER_COMMAND)
 
 MADDR = "/ip4/127.0.0.1/tcp/31337/p2p/QmR3Jr2LgLETdxHK8uPbTvdBkfrncaffKNwcuBWv1NhT3z"
 PEER = MADDR.rsplit("/", 1)[1]
@@ -303,7 +306,7 @@ def test_cli_bad_maddr_exits_2_with_one_line() -> None:
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
-def test_doctor_against_a_real_founder(swarm: Swarm) -> None:  # noqa: F811
+def test_doctor_against_a_real_founder(swarm: LocalSwarm) -> None:
     _, log = swarm.start("a", *NANO)
     maddr = swarm.wait_event(log, "start", 150)["maddrs"][0]
     base = [*PY, "doctor", "--swarm", maddr, "--run", "t", "--json", "--host", "127.0.0.1",
@@ -326,7 +329,7 @@ def test_doctor_against_a_real_founder(swarm: Swarm) -> None:  # noqa: F811
 @pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
-def test_doctor_warns_when_nobody_can_dial_back(swarm: Swarm) -> None:  # noqa: F811
+def test_doctor_warns_when_nobody_can_dial_back(swarm: LocalSwarm) -> None:
     """The control of the test above: announcing a closed port, the node cannot be dialed
     afresh, and the doctor says so. (hivemind's validated ping alone still passes here: it
     rides our own connection.)"""

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from matplotlib.image import imread
 
-from diloco_peer.cli import plot_cmd
+from diloco_peer import plot
 from diloco_peer.cli.main import main
-from diloco_peer.cli.plot_cmd import Run, build_figure, load_runs
+from diloco_peer.plot import Run, build_figure, load_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PEER_A = "QmPeerAlphaAlphaAlphaAlphaAlphaAlphaAlpha0AAAAAAA"
@@ -105,10 +105,10 @@ def assert_png(path: Path) -> None:
     assert data.startswith(PNG_MAGIC)
     height, width = imread(path).shape[:2]
     # The figure's size in inches at its dpi: a readable four-panel figure.
-    assert (width, height) == tuple(round(s * plot_cmd._DPI) for s in plot_cmd._FIGSIZE_IN)
+    assert (width, height) == tuple(round(s * plot.DPI) for s in plot.FIGSIZE_IN)
 
 
-def curve_of(runs: list[Run], suffix: str) -> plot_cmd.Curve:
+def curve_of(runs: list[Run], suffix: str) -> plot.Curve:
     (curve,) = [c for r in runs for c in r.curves if c.label.endswith(suffix)]
     return curve
 
@@ -284,7 +284,7 @@ def test_a_failed_write_is_one_line_and_leaves_nothing_behind(
     def refuse(src: object, dst: object) -> None:
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(plot_cmd.os, "replace", refuse)
+    monkeypatch.setattr(plot.os, "replace", refuse)
     out = tmp_path / "curves.png"
     assert_one_error_line(*cli(capsys, "plot", swarm_log, "--out", out), "cannot write")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["swarm.jsonl"]

@@ -7,100 +7,16 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-PY = [sys.executable, "-m", "diloco_peer"]
+from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
+from diloco_peer.peer.events import read_log
+
+PY = list(PEER_COMMAND)
 NANO = ["--model", "nano", "--inner-steps", "10"]
-
-
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def assert_one_branch(*logs: Path) -> dict[int, str]:
-    """DESIGN §3's invariant: peers at version v hold equal state hashes, or the fork is healed
-    within one round. A fork-healing catch-up (`fork: true`, from version f) abandons the
-    peer's states at versions f-1 and f held before it; every state not abandoned must agree
-    with every other peer's at its version, and every disagreement must have been abandoned.
-    Returns the agreed hash per version."""
-    kept: list[tuple[Path, int, str]] = []
-    for log in logs:
-        states: list[list] = []  # [version, hash, abandoned]
-        for e in _events(log):
-            if e["event"] not in ("round", "catch_up"):
-                continue
-            if e["event"] == "catch_up" and e.get("fork"):
-                for st in states:
-                    if e["from_version"] - 1 <= st[0] <= e["from_version"]:
-                        st[2] = True
-            states.append([e["version"], e["state_hash"], False])
-        kept += [(log, v, h) for v, h, abandoned in states if not abandoned]
-    agreed: dict[int, str] = {}
-    for log, version, state_hash in kept:
-        assert agreed.setdefault(version, state_hash) == state_hash, (log, version)
-    return agreed
-
-
-class Swarm:
-    """Peer processes started by a test; `close()` kills every one of them."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(
-        self, name: str, *args: str, env: dict[str, str] | None = None
-    ) -> tuple[subprocess.Popen[bytes], Path]:
-        log = self.tmp / f"{name}.jsonl"
-        cmd = [*PY, "join", "--run", "t", "--host", "127.0.0.1", "--quiet", "--threads", "1",
-               "--log-json", str(log), *args]  # fmt: skip
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{name}.err", "wb"),
-            start_new_session=True, env={**os.environ, **(env or {})},
-        )  # fmt: skip
-        self.procs.append(proc)
-        return proc, log
-
-    def wait_event(self, log: Path, event: str, timeout_s: float, **match: object) -> dict:
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            for ev in _events(log):
-                if ev["event"] == event and all(ev.get(k) == v for k, v in match.items()):
-                    return ev
-            time.sleep(0.2)
-        raise TimeoutError(f"no {event} {match} in {log} within {timeout_s}s")
-
-    def close(self) -> None:
-        # Always kill the whole session: a peer that died by SIGKILL leaves its forked DHT
-        # process and libp2p daemon behind in its process group.
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=10)
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.mark.multipeer
@@ -122,7 +38,7 @@ def test_demo_three_peers_agree_and_improve() -> None:
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("protocol", ["sync", "async"])
-def test_late_joiner_downloads_verified_state_then_agrees(swarm: Swarm, protocol: str) -> None:
+def test_late_joiner_downloads_verified_state_then_agrees(swarm: LocalSwarm, protocol: str) -> None:
     a, log_a = swarm.start("a", *NANO, "--protocol", protocol, "--max-rounds", "15")
     start = swarm.wait_event(log_a, "start", 90)
     swarm.wait_event(log_a, "round", 90, version=2)  # a alone: Lookahead rounds
@@ -131,21 +47,21 @@ def test_late_joiner_downloads_verified_state_then_agrees(swarm: Swarm, protocol
     assert caught["version"] >= 2
     assert b.wait(timeout=150) == 0
     assert a.wait(timeout=150) == 0
-    rounds_a = {e["version"]: e["state_hash"] for e in _events(log_a) if e["event"] == "round"}
-    rounds_b = {e["version"]: e["state_hash"] for e in _events(log_b) if e["event"] == "round"}
+    rounds_a = {e["version"]: e["state_hash"] for e in read_log(log_a) if e["event"] == "round"}
+    rounds_b = {e["version"]: e["state_hash"] for e in read_log(log_b) if e["event"] == "round"}
     shared = set(rounds_a) & set(rounds_b)
     assert shared, (rounds_a, rounds_b)
     assert all(rounds_a[v] == rounds_b[v] for v in shared)
-    assert any(e["group_size"] == 2 for e in _events(log_b) if e["event"] == "round")
+    assert any(e["group_size"] == 2 for e in read_log(log_b) if e["event"] == "round")
 
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-def test_restart_from_checkpoint_does_not_redo_rounds(swarm: Swarm, tmp_path: Path) -> None:
+def test_restart_from_checkpoint_does_not_redo_rounds(swarm: LocalSwarm, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     a, log_a = swarm.start("a", *NANO, "--checkpoint-dir", str(ckpt), "--max-rounds", "2")
     assert a.wait(timeout=150) == 0
-    first = [e for e in _events(log_a) if e["event"] == "round"]
+    first = [e for e in read_log(log_a) if e["event"] == "round"]
     assert [e["version"] for e in first] == [1, 2]
     # Same run, same checkpoint: it resumes at version 2 and continues to 4 (max-rounds counts
     # rounds done in total, so two more).
@@ -153,7 +69,7 @@ def test_restart_from_checkpoint_does_not_redo_rounds(swarm: Swarm, tmp_path: Pa
     assert a2.wait(timeout=150) == 0
     resumed = swarm.wait_event(log_a2, "resume", 5)
     assert resumed["version"] == 2 and resumed["state_hash"] == first[-1]["state_hash"]
-    assert [e["version"] for e in _events(log_a2) if e["event"] == "round"] == [3, 4]
+    assert [e["version"] for e in read_log(log_a2) if e["event"] == "round"] == [3, 4]
 
 
 def _join_fails(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -165,7 +81,7 @@ def _join_fails(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-def test_bad_join_input_is_one_line_and_exit_2(tmp_path: Path, swarm: Swarm) -> None:
+def test_bad_join_input_is_one_line_and_exit_2(tmp_path: Path, swarm: LocalSwarm) -> None:
     cases = [
         ["--swarm", "not-a-multiaddr"],
         ["--swarm", "/ip4/127.0.0.1/tcp/9/p2p/QmXjYsP9S8HxT5ZhGBXgoT2xpCs8cgaR4cvxcYXEqqv3Md"],
@@ -193,7 +109,7 @@ def test_bad_join_input_is_one_line_and_exit_2(tmp_path: Path, swarm: Swarm) -> 
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-def test_unknown_run_and_corrupt_checkpoint_exit_2(tmp_path: Path, swarm: Swarm) -> None:
+def test_unknown_run_and_corrupt_checkpoint_exit_2(tmp_path: Path, swarm: LocalSwarm) -> None:
     a, log_a = swarm.start("a", *NANO, "--max-rounds", "50")
     start = swarm.wait_event(log_a, "start", 90)
     out = subprocess.run(
@@ -234,7 +150,7 @@ ASYNC_FAST_RUN = FAST_RUN.replace("[swarm]", 'outer_optimizer = "delayed-nestero
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("protocol", [pytest.param("sync", marks=pytest.mark.slow), "async"])
 def test_killed_peers_cost_survivors_at_most_a_timed_out_round(
-    swarm: Swarm, tmp_path: Path, protocol: str
+    swarm: LocalSwarm, tmp_path: Path, protocol: str
 ) -> None:
     cfg = tmp_path / "run.toml"
     cfg.write_text(FAST_RUN if protocol == "sync" else ASYNC_FAST_RUN)
@@ -253,10 +169,12 @@ def test_killed_peers_cost_survivors_at_most_a_timed_out_round(
     assert a.wait(timeout=200) == 0
     assert b.wait(timeout=60) == 0
     assert d.wait(timeout=60) == -signal.SIGKILL
-    ra = {e["version"]: e for e in _events(log_a) if e["event"] == "round"}
-    rb = {e["version"]: e for e in _events(log_b) if e["event"] == "round"}
-    assert any(e["event"] == "round" for e in _events(log_d))  # d did take part before dying
-    hashes = assert_one_branch(log_a, log_b)
+    ra = {e["version"]: e for e in read_log(log_a) if e["event"] == "round"}
+    rb = {e["version"]: e for e in read_log(log_b) if e["event"] == "round"}
+    assert any(e["event"] == "round" for e in read_log(log_d))  # d did take part before dying
+    branch = branches(log_a, log_b)
+    assert branch.one_branch, branch.conflicts
+    hashes = branch.agreed
     assert max(hashes) >= 14
     if protocol == "sync":
         assert max(ra) == 14 and max(rb) == 14
@@ -276,7 +194,9 @@ def test_killed_peers_cost_survivors_at_most_a_timed_out_round(
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-def test_sigterm_saves_a_checkpoint_and_status_lists_peers(swarm: Swarm, tmp_path: Path) -> None:
+def test_sigterm_saves_a_checkpoint_and_status_lists_peers(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
     ckpt = tmp_path / "ckpt"
     a, log_a = swarm.start("a", *NANO, "--checkpoint-dir", str(ckpt))
     start = swarm.wait_event(log_a, "start", 90)
@@ -387,7 +307,7 @@ def _free_port(host: str) -> int:
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-def test_announced_address_is_what_others_dial(swarm: Swarm) -> None:
+def test_announced_address_is_what_others_dial(swarm: LocalSwarm) -> None:
     # a listens on 127.0.0.2 but is reachable only through a port forward on 127.0.0.3 (its
     # "public" address); it announces that one, and b joins through it.
     port, public = _free_port("127.0.0.2"), _free_port("127.0.0.3")
@@ -403,7 +323,7 @@ def test_announced_address_is_what_others_dial(swarm: Swarm) -> None:
         b, log_b = swarm.start("b", "--swarm", start["maddrs"][0], "--max-rounds", "2")
         assert b.wait(timeout=150) == 0 and a.wait(timeout=60) == 0
         assert forward.connections >= 1
-        rounds_b = [e for e in _events(log_b) if e["event"] == "round"]
+        rounds_b = [e for e in read_log(log_b) if e["event"] == "round"]
         assert rounds_b and rounds_b[0]["group_size"] == 2, rounds_b
     finally:
         forward.close()
@@ -411,7 +331,7 @@ def test_announced_address_is_what_others_dial(swarm: Swarm) -> None:
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-def test_fork_is_healed_and_the_losers_delta_contributed_again(swarm: Swarm) -> None:
+def test_fork_is_healed_and_the_losers_delta_contributed_again(swarm: LocalSwarm) -> None:
     # Both peers apply their first δ alone at version 0 (a test hook hides the other one), so
     # version 1 exists twice. The branch that wins (the longer one, or the larger hash at equal
     # length) is downloaded by the other peer, which puts its lost δ into its next group.
@@ -424,7 +344,7 @@ def test_fork_is_healed_and_the_losers_delta_contributed_again(swarm: Swarm) -> 
     maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
     b, log_b = swarm.start("b", "--swarm", maddr, *until, *alone)
     assert a.wait(timeout=150) == 0 and b.wait(timeout=60) == 0
-    events = {"a": _events(log_a), "b": _events(log_b)}
+    events = {"a": read_log(log_a), "b": read_log(log_b)}
     first = {k: next(e for e in ev if e["event"] == "round") for k, ev in events.items()}
     assert first["a"]["version"] == first["b"]["version"] == 1
     assert first["a"]["state_hash"] != first["b"]["state_hash"]  # the fork
@@ -463,7 +383,7 @@ def _scrape(port: int) -> str:
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-def test_metrics_endpoint_answers_while_training(swarm: Swarm) -> None:
+def test_metrics_endpoint_answers_while_training(swarm: LocalSwarm) -> None:
     import re
 
     port = _free_port("127.0.0.1")
@@ -487,7 +407,7 @@ def test_metrics_endpoint_answers_while_training(swarm: Swarm) -> None:
 @pytest.mark.multipeer
 @pytest.mark.timeout(240)
 def test_paused_peer_is_not_waited_for_and_catches_up_after_resume(
-    swarm: Swarm, tmp_path: Path
+    swarm: LocalSwarm, tmp_path: Path
 ) -> None:
     cfg = tmp_path / "run.toml"
     cfg.write_text(FAST_RUN)  # sync, 6 s group timeout
@@ -502,15 +422,17 @@ def test_paused_peer_is_not_waited_for_and_catches_up_after_resume(
     os.kill(b.pid, signal.SIGUSR2)
     resumed = swarm.wait_event(log_b, "unpause", 30)
     assert a.wait(timeout=120) == 0 and b.wait(timeout=60) == 0
-    caught = [e for e in _events(log_b) if e["event"] == "catch_up" and e["time"] > resumed["time"]]
+    caught = [
+        e for e in read_log(log_b) if e["event"] == "catch_up" and e["time"] > resumed["time"]
+    ]
     assert caught and caught[0]["version"] >= paused["version"] + 3
-    rounds_a = [e for e in _events(log_a) if e["event"] == "round"]
+    rounds_a = [e for e in read_log(log_a) if e["event"] == "round"]
     # Nobody waited on the paused peer longer than the group timeout plus the all-reduce's.
     assert max(e["comm_s"] for e in rounds_a) < 6.0 + 6.0 + 4.0
     during = [e for e in rounds_a if paused["time"] < e["time"] < resumed["time"]]
     assert during and all(e["group_size"] == 1 for e in during[1:])
     # Resumed, b trains with a again and they agree.
-    rounds_b = {e["version"]: e for e in _events(log_b) if e["event"] == "round"}
+    rounds_b = {e["version"]: e for e in read_log(log_b) if e["event"] == "round"}
     after = [v for v in rounds_b if v > caught[0]["version"]]
     assert after and all(rounds_b[v]["group_size"] == 2 for v in after)
     hashes_a = {e["version"]: e["state_hash"] for e in rounds_a}
@@ -521,7 +443,7 @@ def test_paused_peer_is_not_waited_for_and_catches_up_after_resume(
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
 def test_max_hours_stops_the_peer_and_tensorboard_gets_scalars(
-    swarm: Swarm, tmp_path: Path
+    swarm: LocalSwarm, tmp_path: Path
 ) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -535,7 +457,7 @@ def test_max_hours_stops_the_peer_and_tensorboard_gets_scalars(
     assert a.wait(timeout=150) == 0
     stop = swarm.wait_event(log_a, "stop", 1)
     assert 14.4 <= stop["time"] - launched < 14.4 + 30
-    rounds = [e for e in _events(log_a) if e["event"] == "round"]
+    rounds = [e for e in read_log(log_a) if e["event"] == "round"]
     assert 1 <= len(rounds) < 1000
     acc = EventAccumulator(str(tb))
     acc.Reload()
@@ -546,7 +468,7 @@ def test_max_hours_stops_the_peer_and_tensorboard_gets_scalars(
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-def test_a_pending_delta_survives_a_restart(swarm: Swarm, tmp_path: Path) -> None:
+def test_a_pending_delta_survives_a_restart(swarm: LocalSwarm, tmp_path: Path) -> None:
     # Paused mid-phase, the peer keeps its partial δ; stopped, it saves it in its checkpoint;
     # restarted, it contributes it with its next phase.
     ckpt = tmp_path / "ckpt"
@@ -560,5 +482,5 @@ def test_a_pending_delta_survives_a_restart(swarm: Swarm, tmp_path: Path) -> Non
     assert a2.wait(timeout=120) == 0
     resumed = swarm.wait_event(log_a2, "resume", 1)
     assert resumed["pending_steps"] == paused["pending_steps"]
-    first = next(e for e in _events(log_a2) if e["event"] == "round")
+    first = next(e for e in read_log(log_a2) if e["event"] == "round")
     assert first["steps"] == 10 + paused["pending_steps"]

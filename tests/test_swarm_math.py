@@ -11,7 +11,10 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from tests.test_swarm import PY, Swarm, _events, assert_one_branch, swarm  # noqa: F401
+from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
+from diloco_peer.peer.events import read_log
+
+PY = list(PEER_COMMAND)
 
 EQUIV_RUN = """
 [run]
@@ -38,7 +41,7 @@ def _nano_param_names() -> list[str]:
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(240)
-def test_two_peer_swarm_equals_simulator(swarm: Swarm, tmp_path: Path) -> None:  # noqa: F811
+def test_two_peer_swarm_equals_simulator(swarm: LocalSwarm, tmp_path: Path) -> None:
     cfg = tmp_path / "run.toml"
     cfg.write_text(EQUIV_RUN)
     ckpt_a, ckpt_b = tmp_path / "a", tmp_path / "b"
@@ -61,7 +64,7 @@ def test_two_peer_swarm_equals_simulator(swarm: Swarm, tmp_path: Path) -> None: 
     )  # fmt: skip
     assert sim.returncode == 0, sim.stderr[-2000:]
     assert a.wait(timeout=150) == 0 and b.wait(timeout=60) == 0
-    rounds = [e for e in _events(log_a) if e["event"] == "round"]
+    rounds = [e for e in read_log(log_a) if e["event"] == "round"]
     assert [e["group_size"] for e in rounds] == [2, 2, 2], rounds
     expected = load_file(sim_out)
     for ckpt in (ckpt_a, ckpt_b):
@@ -95,7 +98,7 @@ keep_updates = 16
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
 def test_async_swarm_updates_are_the_engines_delayed_nesterov(
-    swarm: Swarm,  # noqa: F811
+    swarm: LocalSwarm,
     tmp_path: Path,
 ) -> None:
     from diloco_peer.averaging.outer import build_outer_optimizer
@@ -113,8 +116,9 @@ def test_async_swarm_updates_are_the_engines_delayed_nesterov(
     c, log_c = swarm.start("c", "--swarm", maddr, *until, "--throttle", "4")
     for p in (a, b, c):
         assert p.wait(timeout=240) == 0
-    logs = [_events(x) for x in (log_a, log_b, log_c)]
-    assert_one_branch(log_a, log_b, log_c)
+    logs = [read_log(x) for x in (log_a, log_b, log_c)]
+    branch = branches(log_a, log_b, log_c)
+    assert branch.one_branch, branch.conflicts
     rounds = [e for events in logs for e in events if e["event"] == "round"]
     # DyLU: the throttled peers planned fewer steps than H once their speed was known.
     steps_c = [e["steps"] for e in logs[2] if e["event"] == "round"]
@@ -169,7 +173,7 @@ def _metadata(data: bytes) -> dict[str, str]:
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
 def test_int8_swarm_agrees_and_sends_a_quarter_of_the_bytes(
-    swarm: Swarm,  # noqa: F811
+    swarm: LocalSwarm,
     tmp_path: Path,
 ) -> None:
     cfg = tmp_path / "run.toml"
@@ -182,8 +186,8 @@ def test_int8_swarm_agrees_and_sends_a_quarter_of_the_bytes(
     maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
     b, log_b = swarm.start("b", "--swarm", maddr, "--max-rounds", "2")
     assert a.wait(timeout=150) == 0 and b.wait(timeout=60) == 0
-    ra = {e["version"]: e for e in _events(log_a) if e["event"] == "round"}
-    rb = {e["version"]: e for e in _events(log_b) if e["event"] == "round"}
+    ra = {e["version"]: e for e in read_log(log_a) if e["event"] == "round"}
+    rb = {e["version"]: e for e in read_log(log_b) if e["event"] == "round"}
     assert set(ra) == set(rb) == {1, 2}
     numel = sum(p.numel() for p in _nano_params())
     fp32_pair = 2 * 4 * numel * (2 - 1) / 2  # butterfly traffic of a pair in fp32
@@ -219,7 +223,7 @@ eval_every = 0
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
 def test_async_drops_contributions_older_than_the_staleness_limit(
-    swarm: Swarm,  # noqa: F811
+    swarm: LocalSwarm,
     tmp_path: Path,
 ) -> None:
     cfg = tmp_path / "run.toml"
@@ -229,11 +233,12 @@ def test_async_drops_contributions_older_than_the_staleness_limit(
     maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
     b, log_b = swarm.start("b", "--swarm", maddr, *until, "--throttle", "8")
     assert a.wait(timeout=150) == 0 and b.wait(timeout=90) == 0
-    dropped = [e for e in _events(log_b) if e["event"] == "dropped"]
+    dropped = [e for e in read_log(log_b) if e["event"] == "dropped"]
     assert dropped, "the 8x slower peer never fell behind"
     assert all(e["staleness"] >= 1 and e["limit"] == 0 for e in dropped)
     assert [e["dropped_total"] for e in dropped] == list(range(1, len(dropped) + 1))
     # Every applied contribution was fresh (staleness 0), and the peers agree.
-    rounds = [e for log in (log_a, log_b) for e in _events(log) if e["event"] == "round"]
+    rounds = [e for log in (log_a, log_b) for e in read_log(log) if e["event"] == "round"]
     assert all(e["staleness"] == 0 for e in rounds)
-    assert_one_branch(log_a, log_b)
+    branch = branches(log_a, log_b)
+    assert branch.one_branch, branch.conflicts

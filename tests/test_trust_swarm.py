@@ -15,12 +15,15 @@ import pytest
 
 from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.identity import Identity
-from tests.test_swarm import PY, Swarm, _events, assert_one_branch, swarm  # noqa: F401
+from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
+from diloco_peer.peer.events import read_log
+
+PY = list(PEER_COMMAND)
 
 NANO = ["--model", "nano", "--inner-steps", "10"]
 
 
-def _maddr(peers: Swarm, log: Path) -> str:
+def _maddr(peers: LocalSwarm, log: Path) -> str:
     start = peers.wait_event(log, "start", 90)
     return next(m for m in start["maddrs"] if "127.0.0.1" in m)
 
@@ -43,7 +46,7 @@ def _wait_all(procs: list, timeout_s: float) -> None:
         pytest.param("forge", marks=pytest.mark.slow),
     ],
 )
-def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: Swarm, mode: str) -> None:  # noqa: F811
+def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: LocalSwarm, mode: str) -> None:
     """3 honest peers + 1 hostile: nan is caught by the part reducers, signflip by their
     direction check, forge at admission. Honest states stay finite and on one branch, the
     hostile peer's δ is in no average, and `status` shows it banned while the run is live."""
@@ -64,11 +67,12 @@ def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: Swarm, mode: str) ->
     assert status["banned"][hostile]["by"], status
     _wait_all([p for p, _ in honest], 200)
     logs = [log for _, log in honest]
-    assert_one_branch(*logs)
-    rounds = [e for log in logs for e in _events(log) if e["event"] == "round"]
+    branch = branches(*logs)
+    assert branch.one_branch, branch.conflicts
+    rounds = [e for log in logs for e in read_log(log) if e["event"] == "round"]
     assert rounds and all(e["ppl"] is not None for e in rounds)
     assert not any(hostile in e["members"] for e in rounds)
-    stops = [next(e for e in _events(log) if e["event"] == "stop") for log in logs]
+    stops = [next(e for e in read_log(log) if e["event"] == "stop") for log in logs]
     assert all(s["finite"] and s["version"] >= 4 for s in stops), stops
     assert all(hostile in s["bans"] for s in stops), stops
     expected = {"nan": "non-finite", "signflip": "cosine", "forge": "signature"}[mode]
@@ -77,7 +81,7 @@ def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: Swarm, mode: str) ->
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
-def test_a_private_swarm_admits_only_listed_keys(swarm: Swarm, tmp_path: Path) -> None:  # noqa: F811
+def test_a_private_swarm_admits_only_listed_keys(swarm: LocalSwarm, tmp_path: Path) -> None:
     """Two listed peers train together; a third key, not on the allowlist, gets no state and
     none of its contributions into an average; a key carrying an allowlist not signed by the
     run owner is refused at start."""
@@ -111,19 +115,22 @@ def test_a_private_swarm_admits_only_listed_keys(swarm: Swarm, tmp_path: Path) -
     assert out.returncode == 2, out.stderr[-2000:]
     assert "not by the run owner" in out.stderr and "Traceback" not in out.stderr
     _wait_all([founder, peer], 200)
-    assert_one_branch(flog, plog)
-    rounds = [e for log in (flog, plog) for e in _events(log) if e["event"] == "round"]
+    branch = branches(flog, plog)
+    assert branch.one_branch, branch.conflicts
+    rounds = [e for log in (flog, plog) for e in read_log(log) if e["event"] == "round"]
     assert max(e["version"] for e in rounds) >= 3
     assert not any(stranger.peer_id_str in e["members"] for e in rounds)
     # the stranger never held the swarm's state: no catch-up, and it stayed at version 0 or
     # on a branch of its own
-    agreed = assert_one_branch(flog, plog)
+    branch = branches(flog, plog)
+    assert branch.one_branch, branch.conflicts
+    agreed = branch.agreed
     stranger_states = [
         (e["version"], e["state_hash"])
-        for e in _events(slog)
+        for e in read_log(slog)
         if e["event"] in ("round", "catch_up")
     ]
-    assert not any(e["event"] == "catch_up" for e in _events(slog))
+    assert not any(e["event"] == "catch_up" for e in read_log(slog))
     assert not any(agreed.get(v) == h for v, h in stranger_states if v > 0)
     assert "not allowed" in (tmp_path / "stranger.err").read_text()
 

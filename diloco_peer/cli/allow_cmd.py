@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from diloco_peer.cli.main import app, configure_logging
+from diloco_peer.cli.app import app, configure_logging
 from diloco_peer.errors import ConfigError, IdentityError
 
 # A public key file is a line or a few; anything this large is not one.

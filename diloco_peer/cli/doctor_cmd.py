@@ -8,7 +8,7 @@ import sys
 
 import typer
 
-from diloco_peer.cli.main import app, configure_logging
+from diloco_peer.cli.app import app, configure_logging
 
 
 @app.command()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from diloco_peer.cli.main import app, configure_logging, fail
+from diloco_peer.cli.app import app, configure_logging, fail
 from diloco_peer.errors import BadInput, DilocoError
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from diloco_peer.cli.main import app, configure_logging
+from diloco_peer.cli.app import app, configure_logging
 from diloco_peer.errors import IdentityError
 from diloco_peer.identity import Identity
 

@@ -5,13 +5,7 @@ Error contract (DESIGN §6): bad input -> one line on stderr, exit 2; other fail
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
-
-# hivemind logs at INFO to stderr by default; the CLI keeps stderr for its own lines (and
-# errors to exactly one line). Must be set before hivemind is first imported.
-os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 
 import typer
 
@@ -20,6 +14,17 @@ try:  # typer >= 0.28 ships its own copy of click
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exceptions  # type: ignore[no-redef]
 
+# Imported for their side effect of adding commands to `app`.
+from diloco_peer.cli import (  # noqa: F401
+    allow_cmd,
+    doctor_cmd,
+    export_cmd,
+    keygen_cmd,
+    plot_cmd,
+    sim_cmd,
+    swarm_cmd,
+)
+from diloco_peer.cli.app import app, fail
 from diloco_peer.errors import BadInput
 
 # typer's own Exit/Abort and, where it has them, its click copy's; a tuple works for `except`.
@@ -27,46 +32,8 @@ _EXITS = tuple({typer.Exit, getattr(click_exceptions, "Exit", typer.Exit)})
 _ABORTS = tuple({typer.Abort, getattr(click_exceptions, "Abort", typer.Abort)})
 _NO_ARGS = getattr(click_exceptions, "NoArgsIsHelpError", ())
 
-app = typer.Typer(
-    name="diloco-peer",
-    help="Decentralized DiLoCo training: join a swarm, simulate, evaluate.",
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
-
-
-def _register() -> None:
-    # Imported for their side effect of adding commands to `app`.
-    from diloco_peer.cli import (  # noqa: F401
-        allow_cmd,
-        doctor_cmd,
-        export_cmd,
-        keygen_cmd,
-        plot_cmd,
-        sim_cmd,
-        swarm_cmd,
-    )
-
-
-def configure_logging(verbose: bool = False) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.WARNING)
-
-
-def fail(message: str, code: int = 2) -> None:
-    """One clear line on stderr, then exit."""
-    sys.stderr.write(f"diloco-peer: error: {message}\n")
-    sys.exit(code)
-
 
 def main(argv: list[str] | None = None) -> None:
-    _register()
     try:
         # without standalone mode, click returns a command's `typer.Exit(code)` instead of
         # raising it: that code must still become the process's exit status

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from diloco_peer.cli.main import app, configure_logging
+from diloco_peer.cli.app import app, configure_logging
 from diloco_peer.config import RunSpec, SimSpec
 from diloco_peer.errors import BadInput
 
@@ -122,26 +122,29 @@ def simulate(
         init=str(init) if init else None, eval_every=eval_every, threads=threads,
     )  # fmt: skip
     _check_new_file(save, overwrite)
+    _simulate(spec, save, json_out)
 
+
+def _simulate(spec: SimSpec, save: Path | None, json_out: bool) -> None:
+    """Run the simulator with a progress bar, save its model if asked, print the result."""
     from diloco_peer.sim.simulator import Simulator  # heavy imports only when needed
 
     sim = Simulator(spec)  # builds data and model; bad input fails here, before any output
     with _progress_bar(enabled=_stderr.is_terminal or not json_out) as bar:
-        task = bar.add_task(algo, total=total_steps)
+        task = bar.add_task(spec.algo, total=spec.total_steps)
         sim.on_progress = lambda done, total: bar.update(task, completed=done, total=total)
         result = sim.run()
     if save is not None:
         from diloco_peer.peer.checkpoint import save_model_checkpoint
 
-        save_model_checkpoint(
-            save, sim.model, run,
-            extra={"algo": algo, "final_ppl": result["final_ppl"], "local_steps": result["local_steps"]},
-        )  # fmt: skip
+        extra = {"algo": spec.algo, "final_ppl": result["final_ppl"],
+                 "local_steps": result["local_steps"]}  # fmt: skip
+        save_model_checkpoint(save, sim.model, spec.run, extra=extra)
     if json_out:
         _emit_json(result)
         return
     typer.echo(
-        f"{algo}: ppl {result['initial_ppl']:.2f} -> {result['final_ppl']:.2f} after "
+        f"{spec.algo}: ppl {result['initial_ppl']:.2f} -> {result['final_ppl']:.2f} after "
         f"{result['local_steps']} local steps, {result['outer_updates']} outer updates, "
         f"sim time {result['sim_time']:.1f}s"
     )

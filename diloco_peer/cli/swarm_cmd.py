@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -19,9 +16,13 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from diloco_peer.cli.main import app, configure_logging
-from diloco_peer.config import PeerSpec
+from diloco_peer.cli.app import app, configure_logging
+from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.errors import BadInput
+
+if TYPE_CHECKING:
+    from diloco_peer.demo import Demo
+    from diloco_peer.peer.faults import FaultPlan
 
 _out = Console()
 _err = Console(stderr=True)
@@ -98,48 +99,81 @@ def join(
 
     SIGUSR1 pauses the peer (it leaves the groups; nobody waits for it), SIGUSR2 resumes it."""
     configure_logging(verbose)
+    spec = PeerSpec(
+        run_name=run, swarm=tuple(swarm), config=_text(config), host=host, port=port,
+        announce=tuple(announce), identity=_text(identity), device=device,
+        micro_batch_size=_micro_batch(batch_size), checkpoint_dir=_text(checkpoint_dir),
+        max_rounds=max_rounds, until_version=until_version, until_steps=until_steps,
+        log_json=_text(log_json), data=data, threads=threads, shard=shard, throttle=throttle,
+        record_updates=_text(record_updates), max_hours=max_hours, metrics_port=metrics_port,
+        metrics_host=metrics_host, tensorboard=_text(tensorboard), client_mode=client_mode,
+        gpu_memory_fraction=gpu_memory_fraction, allowlist=_text(allowlist),
+    )  # fmt: skip
+    from diloco_peer.peer.faults import FaultPlan
+
+    founding = _founding(spec, config, model, inner_steps, protocol, expected_peers)
+    _train(spec, founding, FaultPlan.parse(fault, chaos), quiet)
+
+
+def _text(path: Path | None) -> str | None:
+    return str(path) if path else None
+
+
+def _micro_batch(text: str) -> int:
+    if text == "auto":
+        return -1
+    try:
+        return int(text)
+    except ValueError:
+        raise BadInput(f"--batch-size must be 'auto' or a number, got {text!r}") from None
+
+
+def _founding(
+    spec: PeerSpec,
+    config: Path | None,
+    model: str | None,
+    inner_steps: int | None,
+    protocol: str | None,
+    expected_peers: int | None,
+) -> tuple[RunSpec, SwarmSettings] | None:
+    """The run a founding peer publishes (built-in, or --config) with the founding flags
+    applied; None when joining, where those flags are refused."""
     from diloco_peer.config import default_run
     from diloco_peer.coordinator_free.manifest import load_run_config
-    from diloco_peer.peer.faults import FaultPlan
+
+    if not spec.swarm and spec.client_mode:
+        raise BadInput("--client-mode needs --swarm: the founder must accept connections")
+    if spec.swarm:
+        if model or inner_steps or config or protocol or expected_peers is not None:
+            raise BadInput(
+                "--config, --model, --inner-steps, --protocol and --expected-peers only apply "
+                "when founding a swarm"
+            )
+        return None
+    if protocol not in (None, "sync", "async"):
+        raise BadInput(f"unknown --protocol {protocol!r}; choose sync or async")
+    if config is not None:
+        run_spec, settings = load_run_config(config)
+        if protocol:
+            settings = dataclasses.replace(settings, protocol=protocol)
+    else:
+        run_spec, settings = default_run(model or "tiny", protocol or "sync")
+    overrides = {"model": model, "inner_steps": inner_steps}
+    run_spec = dataclasses.replace(run_spec, **{k: v for k, v in overrides.items() if v})
+    if expected_peers is not None:
+        settings = dataclasses.replace(settings, expected_peers=expected_peers)
+    return run_spec, settings
+
+
+def _train(
+    spec: PeerSpec,
+    founding: tuple[RunSpec, SwarmSettings] | None,
+    faults: FaultPlan,
+    quiet: bool,
+) -> None:
+    """Run the peer until it stops, with a progress bar (unless `quiet`) and a line per round."""
     from diloco_peer.peer.signals import install_signal_handlers
     from diloco_peer.peer.swarm_peer import SwarmPeer
-
-    spec = PeerSpec(
-        run_name=run, swarm=tuple(swarm), config=str(config) if config else None, host=host,
-        port=port, announce=tuple(announce), identity=str(identity) if identity else None,
-        device=device, micro_batch_size=_micro_batch(batch_size),
-        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, max_rounds=max_rounds,
-        until_version=until_version, until_steps=until_steps,
-        log_json=str(log_json) if log_json else None, data=data, threads=threads, shard=shard,
-        throttle=throttle, record_updates=str(record_updates) if record_updates else None,
-        max_hours=max_hours, metrics_port=metrics_port, metrics_host=metrics_host,
-        tensorboard=str(tensorboard) if tensorboard else None,
-        gpu_memory_fraction=gpu_memory_fraction,
-        allowlist=str(allowlist) if allowlist else None, client_mode=client_mode,
-    )  # fmt: skip
-    faults = FaultPlan.parse(fault, chaos)
-    founding = None
-    if not swarm and client_mode:
-        raise BadInput("--client-mode needs --swarm: the founder must accept connections")
-    if not swarm:
-        if protocol not in (None, "sync", "async"):
-            raise BadInput(f"unknown --protocol {protocol!r}; choose sync or async")
-        if config is not None:
-            run_spec, settings = load_run_config(config)
-            if protocol:
-                settings = dataclasses.replace(settings, protocol=protocol)
-        else:
-            run_spec, settings = default_run(model or "tiny", protocol or "sync")
-        overrides = {"model": model, "inner_steps": inner_steps}
-        run_spec = dataclasses.replace(run_spec, **{k: v for k, v in overrides.items() if v})
-        if expected_peers is not None:
-            settings = dataclasses.replace(settings, expected_peers=expected_peers)
-        founding = (run_spec, settings)
-    elif model or inner_steps or config or protocol or expected_peers is not None:
-        raise BadInput(
-            "--config, --model, --inner-steps, --protocol and --expected-peers only apply "
-            "when founding a swarm"
-        )
 
     progress = Progress(
         TextColumn("[bold]v{task.fields[version]}"), BarColumn(), MofNCompleteColumn(),
@@ -175,32 +209,6 @@ def join(
     _err.print(f"stopped at version {peer.state.version} after {peer.rounds_done} rounds")
 
 
-def _micro_batch(text: str) -> int:
-    if text == "auto":
-        return -1
-    try:
-        return int(text)
-    except ValueError:
-        raise BadInput(f"--batch-size must be 'auto' or a number, got {text!r}") from None
-
-
-def _read_events(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    if not path.exists():
-        return [], offset
-    with open(path, encoding="utf-8") as f:
-        f.seek(offset)
-        chunk = f.read()
-    lines = chunk.split("\n")
-    complete, rest = lines[:-1], lines[-1]
-    events = []
-    for line in complete:
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events, offset + len(chunk) - len(rest)
-
-
 @app.command()
 def demo(
     peers: int = typer.Option(4, help="Peer processes to start on 127.0.0.1."),
@@ -220,186 +228,49 @@ def demo(
 ) -> None:
     """A local swarm of real peer processes training the built-in run, with a summary."""
     configure_logging()
-    if peers < 1 or rounds < 1:
-        raise BadInput("--peers and --rounds must be >= 1")
-    if protocol not in ("sync", "async"):
-        raise BadInput(f"unknown --protocol {protocol!r}; choose sync or async")
-    from diloco_peer.config import HETEROGENEITY
-    from diloco_peer.sim.profiles import step_seconds
+    from diloco_peer.demo import Demo, DemoSpec
 
-    if heterogeneity not in HETEROGENEITY:
-        raise BadInput(
-            f"unknown --heterogeneity {heterogeneity!r}; choose {'|'.join(HETEROGENEITY)}"
-        )
-    seconds = step_seconds(heterogeneity, peers)
-    throttles = [s / min(seconds) for s in seconds]
-    from diloco_peer.config import default_run
-    from diloco_peer.coordinator_free.manifest import dump_run_config
-
-    run_spec, settings = default_run(model, protocol)
-    # Sync mode waits for its slowest peer: give it the time that peer needs.
-    settings = dataclasses.replace(
-        settings, expected_peers=peers, sync_timeout_s=settings.sync_timeout_s * max(throttles)
-    )
-    run_spec = dataclasses.replace(run_spec, inner_steps=inner_steps)
-    workdir = Path(tempfile.mkdtemp(prefix="diloco-demo-"))
-    config = workdir / "run.toml"
-    config.write_text(dump_run_config(run_spec, settings), encoding="utf-8")
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = [workdir / f"peer{i}.jsonl" for i in range(peers)]
-    threads = max(1, (os.cpu_count() or 2) // peers)
-    until = ["--until-steps", str(total_steps)] if total_steps else ["--until-version", str(rounds)]
-    base = [sys.executable, "-m", "diloco_peer", "join", "--run", "demo", "--host", "127.0.0.1", "-v",
-            *until, "--quiet", "--threads", str(threads)]  # fmt: skip
-    state: dict[str, dict[str, Any]] = {}
-    offsets = [0] * peers
-    started = time.time()
-
-    def poll() -> None:
-        for i, path in enumerate(logs):
-            events, offsets[i] = _read_events(path, offsets[i])
-            for ev in events:
-                row = state.setdefault(f"peer{i}", {"rounds": 0, "version": 0})
-                row["peer"] = ev.get("peer")
-                row["version"] = ev.get("version", row["version"])
-                row["state_hash"] = ev.get("state_hash", row.get("state_hash"))
-                if ev["event"] == "start":
-                    row["ppl_start"] = ev.get("ppl")
-                if ev["event"] == "round":
-                    row["rounds"] += 1
-                    row["loss"], row["ppl"] = ev.get("loss"), ev.get("ppl")
-                if ev["event"] == "catch_up":
-                    row["caught_up"] = row.get("caught_up", 0) + 1
-                if ev["event"] == "round":
-                    row["local_steps"] = row.get("local_steps", 0) + ev.get("steps", 0)
-                if ev["event"] == "stop":
-                    row["stopped"] = True
-                    row["ppl_stop"] = ev.get("ppl")
-                    row["applied_steps"] = ev.get("applied_steps")
-                    row["shard_samples"] = ev.get("shard_samples")
-                    row["data_share"] = ev.get("data_share")
-                    active = ev.get("active_s") or 0.0
-                    row["active_s"] = active
-                    row["compute_s"] = ev.get("compute_s")
-                    row["idle_fraction"] = ev.get("wait_s", 0.0) / active if active else None
-                    row["dropped"] = ev.get("dropped", 0)
-                if log_json is not None:
-                    with open(log_json, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(ev, sort_keys=True) + "\n")
-
-    def table() -> Table:
-        t = Table(
-            title=f"diloco-peer demo: {peers} peers, {protocol}, until version {rounds}, "
-            f"model {model}, heterogeneity {heterogeneity}"
-        )
-        for col in ("peer", "id", "rounds", "version", "loss", "held-out ppl", "state"):
-            t.add_column(col)
-        for i in range(peers):
-            r = state.get(f"peer{i}", {})
-            t.add_row(
-                f"peer{i}", (r.get("peer") or "")[-8:], str(r.get("rounds", 0)),
-                str(r.get("version", "-")), f"{r['loss']:.3f}" if r.get("loss") else "-",
-                f"{r['ppl']:.2f}" if r.get("ppl") else "-", (r.get("state_hash") or "")[:12],
-            )  # fmt: skip
-        return t
-
-    try:
-        founder = [
-            *base,
-            "--config",
-            str(config),
-            "--throttle",
-            f"{throttles[0]:.4f}",
-            "--log-json",
-            str(logs[0]),
-        ]
-        procs.append(subprocess.Popen(founder, stdout=subprocess.DEVNULL,
-                                      stderr=open(workdir / "peer0.err", "wb"),
-                                      start_new_session=True))  # fmt: skip
-        maddr = None
-        while maddr is None:
-            if time.time() - started > 120 or procs[0].poll() is not None:
-                raise RuntimeError("the founding peer did not start")
-            events, _ = _read_events(logs[0], 0)
-            for ev in events:
-                if ev["event"] == "start" and ev.get("maddrs"):
-                    maddr = ev["maddrs"][0]
-            time.sleep(0.2)
-        for i in range(1, peers):
-            cmd = [*base, "--swarm", maddr, "--log-json", str(logs[i]),
-                   "--throttle", f"{throttles[i]:.4f}"]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                          stderr=open(workdir / f"peer{i}.err", "wb"),
-                                          start_new_session=True))  # fmt: skip
-        with Live(table(), console=_err, refresh_per_second=2, transient=json_out) as live:
-            while any(p.poll() is None for p in procs):
-                if time.time() - started > timeout_s:
-                    raise RuntimeError(f"demo did not finish within {timeout_s:g} s")
-                poll()
-                live.update(table())
-                time.sleep(0.5)
-            poll()
-            live.update(table())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    pass
-                except ProcessLookupError:
-                    continue
-            try:  # whatever is left in the peer's session (a DHT child of a crashed peer)
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    codes = [p.returncode for p in procs]
-    rows = [state.get(f"peer{i}", {}) for i in range(peers)]
-    final_version = max((r.get("version", 0) for r in rows), default=0)
-    at_final = {r.get("state_hash") for r in rows if r.get("version") == final_version}
-    ppl_after = next(
-        (r.get(k) for k in ("ppl_stop", "ppl") for r in rows
-         if r.get("version") == final_version and r.get(k)),
-        None,
+    spec = DemoSpec(
+        peers=peers, rounds=rounds, total_steps=total_steps, model=model, inner_steps=inner_steps,
+        protocol=protocol, heterogeneity=heterogeneity, timeout_s=timeout_s, log_json=log_json,
     )  # fmt: skip
-    summary = {
-        "peers": [
-            {"name": f"peer{i}", "peer_id": r.get("peer"), "rounds": r.get("rounds", 0),
-             "contributions": r.get("rounds", 0), "final_version": r.get("version"),
-             "state_hash": r.get("state_hash"), "exit_code": codes[i],
-             "local_steps": r.get("local_steps", 0), "throttle": throttles[i],
-             "active_s": r.get("active_s"), "compute_s": r.get("compute_s"),
-             "idle_fraction": r.get("idle_fraction"), "dropped": r.get("dropped", 0)}
-            for i, r in enumerate(rows)
-        ],
-        "final_version": final_version,
-        "hashes_agree": len(at_final) == 1 and all(r.get("version") == final_version for r in rows),
-        "ppl_before": rows[0].get("ppl_start") if rows else None,
-        "ppl_after": ppl_after,
-        "protocol": protocol,
-        "heterogeneity": heterogeneity,
-        "applied_steps": max((r.get("applied_steps") or 0 for r in rows), default=0),
-        "shard_samples": next(
-            (r.get("shard_samples") for r in rows if r.get("version") == final_version), None
-        ),
-        "data_share": next((r.get("data_share") for r in rows if r.get("data_share")), None),
-        "wall_s": time.time() - started,
-        "logs": str(workdir),
-    }  # fmt: skip
+    with Demo(spec) as run:
+        run.launch()
+        with Live(_demo_table(run), console=_err, refresh_per_second=2, transient=json_out) as live:
+            for _ in run.follow():
+                live.update(_demo_table(run))
+    summary = run.summary()
     if json_out:
         sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
     else:
         before, after = summary["ppl_before"], summary["ppl_after"]
+        agree = "agree" if summary["hashes_agree"] else "DIFFER"
         _out.print(
-            f"swarm: version {final_version}, state hashes {'agree' if summary['hashes_agree'] else 'DIFFER'}, "
+            f"swarm: version {summary['final_version']}, state hashes {agree}, "
             f"held-out ppl {before:.2f} -> {after:.2f}"
             if before and after
             else "swarm: no round completed"
         )
-        _out.print(f"logs in {workdir}")
-    if any(c != 0 for c in codes):
+        _out.print(f"logs in {summary['logs']}")
+    if any(p["exit_code"] != 0 for p in summary["peers"]):
         raise typer.Exit(1)
+
+
+def _demo_table(run: Demo) -> Table:
+    spec = run.spec
+    t = Table(
+        title=f"diloco-peer demo: {spec.peers} peers, {spec.protocol}, until version "
+        f"{spec.rounds}, model {spec.model}, heterogeneity {spec.heterogeneity}"
+    )
+    for col in ("peer", "id", "rounds", "version", "loss", "held-out ppl", "state"):
+        t.add_column(col)
+    for i, r in enumerate(run.rows):
+        t.add_row(
+            f"peer{i}", (r.peer or "")[-8:], str(r.rounds),
+            "-" if r.version is None else str(r.version), f"{r.loss:.3f}" if r.loss else "-",
+            f"{r.ppl:.2f}" if r.ppl else "-", (r.state_hash or "")[:12],
+        )  # fmt: skip
+    return t
 
 
 @app.command()

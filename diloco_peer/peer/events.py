@@ -40,3 +40,48 @@ class EventLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def parse_events(text: str) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of an event log's lines, and how many non-blank lines were not one.
+
+    A peer killed mid-write leaves a torn last line; a hand-edited log may hold anything. Such
+    lines are skipped and counted, never fatal: a reader wants every event that was written.
+    """
+    events: list[dict[str, Any]] = []
+    skipped = 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):  # torn, or nested beyond the parser's depth
+            obj = None
+        if isinstance(obj, dict):
+            events.append(obj)
+        else:
+            skipped += 1
+    return events, skipped
+
+
+def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The events of the complete lines of the log at `path` from byte `offset` on, and the
+    offset to pass next time (just past the last complete line).
+
+    A line still being written (no newline yet) is left for the next call. A log that does not
+    exist yet has no events: a peer creates its log only once it starts.
+    """
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = chunk.rfind(b"\n") + 1
+    events, _ = parse_events(chunk[:end].decode("utf-8", errors="replace"))
+    return events, offset + end
+
+
+def read_log(path: str | Path) -> list[dict[str, Any]]:
+    """Every complete event of the log at `path` (none if it does not exist yet)."""
+    return read_events(path)[0]
