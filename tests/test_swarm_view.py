@@ -243,3 +243,22 @@ def test_forks_and_bans_as_status_shows_them() -> None:
     assert banned[C].by == (A, B) and banned[C].reasons == ("norm 4699 above 4 x median",)
     assert banned[D].by == (B,) and banned[D].reasons == ("non-finite",)
     assert forks(heads[2:]) == {} and bans(heads[2:]) == {}
+
+
+def test_status_lists_live_peers_newest_first_with_forks_and_bans() -> None:
+    from diloco_peer.coordinator_free.status import status_document
+
+    heads = {
+        A: head(A, 3, H1, bans={C: "non-finite"}, rss_mb=120.0),
+        B: head(B, 3, H2, bans={C: "non-finite"}),
+        C: head(C, 2, H0),
+        D: head(D, 5, H0, updated=0.0),  # left: not listed, not the head
+        "Epeer": head("Epeer", 4, H0, updated=NOW - 61),  # silent past the TTL
+    }
+    doc = status_document("t", heads, NOW + 1)
+    assert [p["peer_id"] for p in doc["peers"]] == [A, B, C]
+    assert doc["head_version"] == 3 and doc["forks"] == {"3": [H1, H2]}
+    assert doc["banned"] == {C: {"by": [A, B], "reasons": ["non-finite"]}}
+    assert [p["banned_by"] for p in doc["peers"]] == [0, 0, 2]
+    assert doc["peers"][0]["rss_mb"] == 120.0 and doc["peers"][0]["last_seen_s"] == 1.0
+    assert status_document("t", {}, NOW)["head_version"] is None

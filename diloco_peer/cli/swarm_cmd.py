@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +21,6 @@ from diloco_peer.errors import BadInput
 
 if TYPE_CHECKING:
     from diloco_peer.demo import Demo
-    from diloco_peer.peer.faults import FaultPlan
 
 _out = Console()
 _err = Console(stderr=True)
@@ -89,9 +87,7 @@ def join(
         None, help="Private swarm: the owner's signed allowlist (`diloco-peer allow`)."
     ),
     chaos: str | None = typer.Option(None, hidden=True, help="Test only: misbehave (chaos.py)."),
-    fault: list[str] = typer.Option(
-        [], hidden=True, help="Test only: NAME=N, a fault to inject (peer/faults.py; repeatable)."
-    ),
+    fault: list[str] = typer.Option([], hidden=True, help="Test only: NAME=N (faults.py)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -109,10 +105,8 @@ def join(
         metrics_host=metrics_host, tensorboard=_text(tensorboard), client_mode=client_mode,
         gpu_memory_fraction=gpu_memory_fraction, allowlist=_text(allowlist),
     )  # fmt: skip
-    from diloco_peer.peer.faults import FaultPlan
-
     founding = _founding(spec, config, model, inner_steps, protocol, expected_peers)
-    _train(spec, founding, FaultPlan.parse(fault, chaos), quiet)
+    _train(spec, founding, (fault, chaos), quiet)
 
 
 def _text(path: Path | None) -> str | None:
@@ -168,10 +162,11 @@ def _founding(
 def _train(
     spec: PeerSpec,
     founding: tuple[RunSpec, SwarmSettings] | None,
-    faults: FaultPlan,
+    faults: tuple[list[str], str | None],
     quiet: bool,
 ) -> None:
     """Run the peer until it stops, with a progress bar (unless `quiet`) and a line per round."""
+    from diloco_peer.peer.faults import FaultPlan
     from diloco_peer.peer.signals import install_signal_handlers
     from diloco_peer.peer.swarm_peer import SwarmPeer
 
@@ -195,7 +190,8 @@ def _train(
             f"received {r.bytes_received / 1e6:.2f} MB, state {r.state_hash[:12]}"
         )
 
-    peer = SwarmPeer(spec, founding=founding, faults=faults, on_step=on_step, on_round=on_round)
+    plan = FaultPlan.parse(*faults)  # test-only flags: --fault NAME=N, --chaos MODE
+    peer = SwarmPeer(spec, founding=founding, faults=plan, on_step=on_step, on_round=on_round)
     install_signal_handlers(peer)
     try:
         peer.start()
@@ -279,56 +275,15 @@ def status(
     run: str = typer.Option("default", help="Run name."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> None:
-    """Peers of a run: version, state hash, speed, last loss, last seen."""
+    """Live peers of a run: version, state hash, speed, last loss, last seen; forks, bans."""
     configure_logging()
-    from hivemind.dht import DHT
+    from diloco_peer.coordinator_free.status import read_heads, status_document
 
-    from diloco_peer.coordinator_free import records
-    from diloco_peer.identity import Identity
-
-    ident = Identity.generate()
-    with tempfile.TemporaryDirectory() as tmp:
-        key = Path(tmp) / "id.key"
-        key.write_bytes(ident.to_bytes())
-        try:
-            dht = DHT(
-                start=True, identity_path=str(key), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                initial_peers=swarm, client_mode=True,
-                record_validators=records.record_validators(ident, run), startup_timeout=30,
-            )  # fmt: skip
-        except Exception as e:
-            raise BadInput(f"cannot reach the swarm: {str(e).strip().splitlines()[-1]}") from None
-        try:
-            heads = records.read_heads(dht, run, timeout_s=10)
-        finally:
-            dht.shutdown()
-    now = time.time()
-    peers_doc = [
-        {"peer_id": h.peer_id, "version": h.version, "state_hash": h.state_hash,
-         "speed": h.speed, "loss": h.loss, "last_seen_s": now - h.updated, "in_group": h.in_group,
-         "rss_mb": h.rss_mb, "cpu_percent": h.cpu_percent, "gpu_mem_mb": h.gpu_mem_mb,
-         "client": h.client}
-        for h in sorted(heads.values(), key=lambda h: (-h.version, h.peer_id))
-    ]  # fmt: skip
-    head = max((h.version for h in heads.values()), default=None)
-    hashes_at: dict[int, set[str]] = {}
-    for h in heads.values():
-        hashes_at.setdefault(h.version, set()).add(h.state_hash)
-    forks = {str(v): sorted(s) for v, s in hashes_at.items() if len(s) > 1}
-    banned: dict[str, dict[str, Any]] = {}
-    for h in heads.values():
-        for peer, reason in (h.bans or {}).items():
-            entry = banned.setdefault(peer, {"by": [], "reasons": []})
-            entry["by"].append(h.peer_id)
-            if reason not in entry["reasons"]:
-                entry["reasons"].append(reason)
-    for p in peers_doc:
-        p["banned_by"] = len(banned.get(p["peer_id"], {}).get("by", []))
-    doc = {"run": run, "head_version": head, "peers": peers_doc, "forks": forks, "banned": banned}
+    doc = status_document(run, read_heads(swarm, run), time.time())
     if json_out:
         sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
         return
-    t = Table(title=f"run {run}: head version {head}")
+    t = Table(title=f"run {run}: head version {doc['head_version']}")
     for col in (
         "peer",
         "version",
@@ -341,14 +296,15 @@ def status(
         "banned by",
     ):
         t.add_column(col)
-    for p in peers_doc:
-        t.add_row(p["peer_id"][-10:] + (" (client)" if p["client"] else ""), str(p["version"]), p["state_hash"][:12], f"{p['speed']:.2f}",
+    for p in doc["peers"]:
+        t.add_row(p["peer_id"][-10:] + (" (client)" if p["client"] else ""), str(p["version"]),
+                  p["state_hash"][:12], f"{p['speed']:.2f}",
                   f"{p['loss']:.3f}" if p["loss"] is not None else "-",
                   f"{p['rss_mb']:.0f} MB" if p["rss_mb"] is not None else "-",
                   f"{p['cpu_percent']:.0f}%" if p["cpu_percent"] is not None else "-",
                   f"{p['last_seen_s']:.0f}s ago", str(p["banned_by"] or "-"))  # fmt: skip
     _out.print(t)
-    for peer, entry in sorted(banned.items()):
+    for peer, entry in sorted(doc["banned"].items()):
         _out.print(f"banned: {peer} by {len(entry['by'])} peer(s): {'; '.join(entry['reasons'])}")
-    if forks:
-        _out.print(f"forks: {forks}")
+    if doc["forks"]:
+        _out.print(f"forks: {doc['forks']}")
