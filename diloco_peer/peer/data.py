@@ -25,7 +25,8 @@ from diloco_peer.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-_BUILTIN_SOURCES = ("builtin:python-stdlib",)
+BUILTIN_SOURCES = ("builtin:python-stdlib",)
+"""The sources this package carries (`builtin:NAME`), readable without files or network."""
 _DOC_SEPARATOR = "\n\n"
 _PLAIN_SUFFIXES = (".txt", ".md", ".py")
 _RECORD_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}  # -> datasets builder
@@ -142,9 +143,9 @@ def iter_source_texts(source: str) -> Iterator[str]:
     """
     texts: Iterator[str]
     if source.startswith("builtin:"):
-        if source not in _BUILTIN_SOURCES:
+        if source not in BUILTIN_SOURCES:
             raise DataError(
-                f"unknown builtin source {source!r}; available: {', '.join(_BUILTIN_SOURCES)}"
+                f"unknown builtin source {source!r}; available: {', '.join(BUILTIN_SOURCES)}"
             )
         texts = _stdlib_texts()
     elif source.startswith("hf:"):
@@ -154,11 +155,17 @@ def iter_source_texts(source: str) -> Iterator[str]:
         texts = _record_texts(f"dataset source {source}", name, config or None)
     elif Path(source).expanduser().exists():
         texts = _local_texts(Path(source).expanduser())
-    elif _HUB_NAME.match(source) and Path(source).suffix.lower() not in _SUFFIXES:
+    elif is_hub_name(source):
         texts = _record_texts(f"dataset source {source}", source)
     else:
         raise DataError(f"data path not found: {source}")
     return _require_text(texts, source)
+
+
+def is_hub_name(source: str) -> bool:
+    """Whether `source` has the form of a bare datasets-hub name ("name" or "org/name", no
+    data-file suffix): `iter_source_texts` streams it from the hub unless it is a local path."""
+    return bool(_HUB_NAME.match(source)) and Path(source).suffix.lower() not in _SUFFIXES
 
 
 def _require_text(texts: Iterator[str], source: str) -> Iterator[str]:
