@@ -19,7 +19,7 @@ from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 from diloco_peer.config import MODEL_PRESETS
 from diloco_peer.coordinator_free.manifest import PROTOCOL_VERSION
-from diloco_peer.peer.data import BUILTIN_SOURCES, is_hub_name
+from diloco_peer.peer.sources import BUILTIN_SOURCES, is_hub_name
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
 CLOCK_FAIL_S = float(MAX_DHT_TIME_DISCREPANCY_SECONDS)
