@@ -70,6 +70,8 @@ class DoctorSpec:
 
 @dataclass(frozen=True)
 class Report:
+    """What `doctor` prints: the checks in report order, and what they were judged on."""
+
     checks: list[Check]
     measured: dict[str, Any]
     """Every number the checks were judged on (also the `--json` output's `measured`)."""
@@ -84,6 +86,7 @@ class Report:
 
 
 def parse_maddr(text: str, flag: str) -> Multiaddr:
+    """The multiaddr a flag's text names; ConfigError (exit 2) naming the flag if malformed."""
     try:
         return Multiaddr(text)
     except Exception:  # multiaddr raises several kinds for malformed text
