@@ -30,6 +30,7 @@ from diloco_peer.averaging.reference import all_reduce_in_memory
 from diloco_peer.averaging.robust import reduce_part
 from diloco_peer.config import RunSpec, SimSpec
 from diloco_peer.errors import AllReduceFailed, ConfigError
+from diloco_peer.sim.contributions import group_sum, plain_sum
 from diloco_peer.sim.simulator import Simulator
 
 QUANTIZED = ("int8", "int4")
@@ -320,16 +321,15 @@ def test_simulator_group_sum_is_the_swarms_all_reduce(small_run: RunSpec) -> Non
     generator = torch.Generator().manual_seed(5)
     shapes = [(7, 3), (50,), (2, 2, 2)]
     deltas = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(3)]
-    sim = object.__new__(Simulator)  # only the run spec is needed
-    sim.run_spec = dataclasses.replace(small_run, compression="int8", prune_fraction=0.25)
+    run = dataclasses.replace(small_run, compression="int8", prune_fraction=0.25)
     flats = [torch.cat([prune(t.reshape(-1), 0.25) for t in d]) for d in deltas]
     expected = all_reduce_in_memory(flats, [1.0] * 3, "int8") * 3
-    got = torch.cat([t.reshape(-1) for t in sim._group_sum(deltas)])
+    got = torch.cat([t.reshape(-1) for t in group_sum(deltas, run)])
     assert torch.equal(got, expected)
-    assert [tuple(t.shape) for t in sim._group_sum(deltas)] == shapes
-    alone = sim._group_sum(deltas[:1])  # a lone peer: its own δ, as it is
+    assert [tuple(t.shape) for t in group_sum(deltas, run)] == shapes
+    alone = group_sum(deltas[:1], run)  # a lone peer: its own δ, as it is
     assert all(torch.equal(a, b) for a, b in zip(alone, deltas[0], strict=True))
-    sim.run_spec = small_run  # none, no pruning: the plain sum, as before
+    run = small_run  # none, no pruning: the plain sum, as before
     assert all(
-        torch.equal(a, b) for a, b in zip(sim._group_sum(deltas), sim._sum(deltas), strict=True)
+        torch.equal(a, b) for a, b in zip(group_sum(deltas, run), plain_sum(deltas), strict=True)
     )

@@ -21,12 +21,12 @@ from diloco_peer.peer.data import (
     TokenDataset,
     build_dataset,
     iid_shards,
-    iter_source_texts,
     kmeans_shards,
     load_tokenizer,
     sequence_features,
 )
 from diloco_peer.peer.model import build_model
+from diloco_peer.peer.sources import iter_source_texts
 
 ASCII_SAMPLE = "def mean(xs):\n    return sum(xs) / len(xs)  # the average, 42!\n"
 

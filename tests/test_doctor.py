@@ -22,11 +22,10 @@ from diloco_peer.coordinator_free.manifest import (
 from diloco_peer.errors import BadInput
 from diloco_peer.identity import Identity
 from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm
-from diloco_peer.peer.doctor import (
+from diloco_peer.peer.doctor import DoctorSpec, Report, verdicts
+from diloco_peer.peer.doctor_checks import (
     CLOCK_FAIL_S,
     Check,
-    DoctorSpec,
-    Report,
     clock_check,
     heads_offset,
     is_public,
@@ -36,7 +35,6 @@ from diloco_peer.peer.doctor import (
     port_check,
     reachability_check,
     relay_check,
-    verdicts,
 )
 
 NANO = ["--model", "nano", "--inner-steps", "10"]

@@ -23,16 +23,14 @@ from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.cli.main import main
 from diloco_peer.config import RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.manifest import Manifest
+from diloco_peer.errors import BadInput, ConfigError, DilocoError
 from diloco_peer.identity import Identity
-from diloco_peer.peer import export
+from diloco_peer.peer import export_hf
 from diloco_peer.peer.checkpoint import load_model_checkpoint, save_model_checkpoint
-from diloco_peer.peer.export import (
-    ExportResult,
-    ExportSpec,
-    export_checkpoint,
-    load_exported,
-    load_hf,
-)
+from diloco_peer.peer.export import ExportResult, ExportSpec, export_checkpoint
+from diloco_peer.peer.export_hf import SIDECAR_FILE, check_llama_compatible, load_hf
+from diloco_peer.peer.export_safetensors import load_exported
+from diloco_peer.peer.export_source import PEER_FORMAT
 from diloco_peer.peer.model import Transformer, build_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # fast and steady on a shared CPU box
@@ -160,7 +158,7 @@ def write_peer_checkpoint(path: Path, preset: str = "nano") -> tuple[list[torch.
     for i, t in enumerate(state.theta):
         tensors[f"local.{i}"] = t + 1.0  # a half-trained replica: must not be exported
     meta = {
-        "format": export.PEER_FORMAT,
+        "format": PEER_FORMAT,
         "manifest": signed.digest,
         "manifest_bytes": signed.to_bytes().decode(),
         "peer": "QmTest",
@@ -192,7 +190,7 @@ def test_hf_export_of_a_simulated_checkpoint_gives_equal_logits(
     diff, scale = max_logit_diff(ours.eval(), hf_from_pretrained(out))
     assert diff <= LOGIT_RTOL * max(1.0, scale), (diff, scale)
 
-    sidecar = json.loads((out / export.SIDECAR_FILE).read_text())
+    sidecar = json.loads((out / SIDECAR_FILE).read_text())
     assert sidecar["run"] == ckpt.run.to_dict()
     assert sidecar["source"]["sha256"] == hashlib.sha256(sim_checkpoint.read_bytes()).hexdigest()
 
@@ -239,19 +237,19 @@ def test_a_wrong_mapping_is_refused_not_exported(
 ) -> None:
     """Without the rotary row permutation the logits differ: the self-check must catch that
     and leave no folder behind, proving it would catch a model.py change too."""
-    monkeypatch.setattr(export, "_rope_permutation", lambda head_dim: torch.arange(head_dim))
-    with pytest.raises(export.DilocoError, match="logits differ"):
+    monkeypatch.setattr(export_hf, "rope_permutation", lambda head_dim: torch.arange(head_dim))
+    with pytest.raises(DilocoError, match="logits differ"):
         export_to(sim_checkpoint, tmp_path / "hf", "hf")
     assert not (tmp_path / "hf").exists() and not leftovers(tmp_path, "hf")
 
 
 def test_what_llama_cannot_express_is_named() -> None:
     model = build_model("nano", 256, 0, max_seq_len=16)
-    export.check_llama_compatible(model)  # the real architecture is fine
+    check_llama_compatible(model)  # the real architecture is fine
     model.blocks[1].attn.qkv.bias = torch.nn.Parameter(torch.zeros(3 * 96))
     model.blocks[2].norm2.eps = 1e-5
-    with pytest.raises(export.ConfigError) as info:
-        export.check_llama_compatible(model)
+    with pytest.raises(ConfigError) as info:
+        check_llama_compatible(model)
     message = str(info.value)
     assert "cannot be represented exactly" in message and "--format safetensors" in message
     assert "blocks.1.attn.qkv.bias" in message and "eps" in message
@@ -261,7 +259,7 @@ def test_hf_without_transformers_names_the_extra(
     sim_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
-    with pytest.raises(export.BadInput, match=r"pip install 'diloco-peer\[hf\]'"):
+    with pytest.raises(BadInput, match=r"pip install 'diloco-peer\[hf\]'"):
         export_to(sim_checkpoint, tmp_path / "hf", "hf")
     assert not (tmp_path / "hf").exists()
 
@@ -338,7 +336,7 @@ def test_peer_checkpoint_exports_the_global_model(tmp_path: Path) -> None:
 def test_peer_format_tag_is_swarm_peers() -> None:
     from diloco_peer.peer.peer_checkpoint import CHECKPOINT_FORMAT
 
-    assert export.PEER_FORMAT == CHECKPOINT_FORMAT
+    assert PEER_FORMAT == CHECKPOINT_FORMAT
 
 
 def test_corrupted_peer_checkpoint_is_detected(

@@ -77,7 +77,7 @@ from diloco_peer.peer.checkpoint import (
     safetensors_metadata,
     save_model_checkpoint,
 )
-from diloco_peer.peer.export import PEER_FORMAT, load_export_source
+from diloco_peer.peer.export_source import PEER_FORMAT, load_export_source
 from diloco_peer.peer.model import build_model
 
 RUN = "fuzz-run"

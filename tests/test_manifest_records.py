@@ -9,7 +9,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -544,13 +544,23 @@ class _StuckFuture:
         return True
 
 
+@dataclass
+class _StuckDHT:
+    """A DHT whose calls never finish."""
+
+    future: _StuckFuture = field(default_factory=_StuckFuture)
+
+    def get(self, *args: Any, **kwargs: Any) -> _StuckFuture:
+        return self.future
+
+
 def test_a_dht_call_that_times_out_raises_swarm_timeout() -> None:
-    future = _StuckFuture()
+    dht = _StuckDHT()
     with pytest.raises(SwarmTimeout, match="within 0.5 s"):
-        records._wait(future, 0.5, "reading heads")
-    assert future.cancelled
+        records.read_heads(dht, RUN, timeout_s=0.5)  # type: ignore[arg-type]
+    assert dht.future.cancelled
     with pytest.raises(ConfigError, match="timeout_s"):
-        records._wait(_StuckFuture(), math.inf, "reading heads")
+        records.read_heads(_StuckDHT(), RUN, timeout_s=math.inf)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- real swarm

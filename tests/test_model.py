@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from diloco_peer.errors import ConfigError
 from diloco_peer.peer.model import (
-    _apply_rope,
-    _rope_tables,
+    apply_rope,
     build_model,
     count_parameters,
     model_config,
     resolve_device,
+    rope_tables,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -117,12 +117,12 @@ def test_sequence_longer_than_max_seq_len_is_a_config_error() -> None:
 
 def test_rope_scores_depend_only_on_relative_position() -> None:
     head_dim, T = 24, 16
-    cos, sin = _rope_tables(T, head_dim, 10_000.0)
+    cos, sin = rope_tables(T, head_dim, 10_000.0)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(head_dim, generator=g), torch.randn(head_dim, generator=g)
     # The same q (k) at every position: (1, 1, T, D).
-    rq = _apply_rope(q.expand(1, 1, T, head_dim), cos, sin)[0, 0]
-    rk = _apply_rope(k.expand(1, 1, T, head_dim), cos, sin)[0, 0]
+    rq = apply_rope(q.expand(1, 1, T, head_dim), cos, sin)[0, 0]
+    rk = apply_rope(k.expand(1, 1, T, head_dim), cos, sin)[0, 0]
     scores = rq @ rk.T  # scores[m, n] = <R_m q, R_n k>
     for offset in (0, 1, 5):
         diagonal = torch.diagonal(scores, offset=-offset)

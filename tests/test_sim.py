@@ -13,8 +13,9 @@ import torch
 from diloco_peer.config import COMPUTE_SCHEDULES, SIM_ALGOS, RunSpec, SimSpec
 from diloco_peer.errors import BadInput, ConfigError
 from diloco_peer.peer.checkpoint import save_model_checkpoint
+from diloco_peer.sim.contributions import mean_pairwise_cosine
 from diloco_peer.sim.profiles import VERY, StepClock, step_seconds
-from diloco_peer.sim.simulator import Simulator, active_workers, mean_pairwise_cosine
+from diloco_peer.sim.simulator import Simulator, active_workers
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

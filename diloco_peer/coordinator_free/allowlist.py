@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from diloco_peer.coordinator_free.manifest import (
-    _b64decode,
-    _canonical_json,
-    _json_loads,
+    canonical_json,
     check_run_name,
+    strict_b64decode,
+    strict_json_loads,
 )
 from diloco_peer.errors import ConfigError, IdentityError, ManifestError
 from diloco_peer.identity import (
@@ -69,7 +69,7 @@ def _body(run: str, owner_public_key: bytes, public_keys: tuple[bytes, ...]) -> 
 
 
 def _decode(text: Any, what: str) -> bytes:
-    return _b64decode(text, what, doc="allowlist", error=ConfigError)
+    return strict_b64decode(text, what, doc="allowlist", error=ConfigError)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,14 +112,14 @@ class Allowlist:
         if not isinstance(self.signature, bytes):
             raise ConfigError("allowlist signature must be bytes")
         body = _body(self.run, self.owner_public_key, self.public_keys)
-        data = _canonical_json({**body, "signature": _b64(self.signature)})
+        data = canonical_json({**body, "signature": _b64(self.signature)})
         if len(data) + 1 > MAX_ALLOWLIST_BYTES:
             raise ConfigError(
                 f"allowlist takes {len(data) + 1} bytes, more than the {MAX_ALLOWLIST_BYTES} "
                 f"allowed ({len(self.public_keys)} keys)"
             )
         # Verify before parsing the listed keys: unsigned content is never interpreted.
-        signed = _SIGNING_CONTEXT + _canonical_json(body)
+        signed = _SIGNING_CONTEXT + canonical_json(body)
         if not verify(self.owner_public_key, signed, self.signature):
             raise ConfigError(f"allowlist signature does not verify with its owner's key ({owner})")
         ids = {owner}
@@ -150,7 +150,7 @@ class Allowlist:
             check_run_name(run)
         except ManifestError as e:
             raise ConfigError(str(e)) from None
-        body = _canonical_json(_body(run, owner.public_key, ordered))
+        body = canonical_json(_body(run, owner.public_key, ordered))
         return cls(
             run=run,
             owner_public_key=owner.public_key,
@@ -183,7 +183,7 @@ class Allowlist:
                 f"allowlist is {len(data)} bytes, more than the {MAX_ALLOWLIST_BYTES} allowed"
             )
         try:
-            doc = _json_loads(data)
+            doc = strict_json_loads(data)
         except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError included
             raise ConfigError("allowlist is not valid JSON") from None
         if not isinstance(doc, dict) or set(doc) != _FIELDS:

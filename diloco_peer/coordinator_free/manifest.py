@@ -100,7 +100,7 @@ def dump_run_config(run: RunSpec, swarm: SwarmSettings) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _json_loads(data: bytes | str) -> Any:
+def strict_json_loads(data: bytes | str) -> Any:
     """json.loads that refuses NaN/Infinity, which are not JSON and break equality."""
 
     def no_constants(name: str) -> Any:
@@ -109,7 +109,9 @@ def _json_loads(data: bytes | str) -> Any:
     return json.loads(data, parse_constant=no_constants)
 
 
-def _canonical_json(doc: Any) -> bytes:
+def canonical_json(doc: Any) -> bytes:
+    """The one byte string a document is signed as: sorted keys, no spaces, ASCII, finite
+    numbers only (ManifestError otherwise); the allowlist signs the same way."""
     try:
         text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except ValueError:
@@ -117,7 +119,7 @@ def _canonical_json(doc: Any) -> bytes:
     return text.encode("ascii")  # ensure_ascii (the default) escapes everything else
 
 
-def _b64decode(
+def strict_b64decode(
     text: Any, what: str, *, doc: str = "manifest", error: type[BadInput] = ManifestError
 ) -> bytes:
     """Strict base64 of a field `what` of a signed document `doc` (the allowlist shares it)."""
@@ -196,7 +198,7 @@ class Manifest:
         }
 
     def canonical_bytes(self) -> bytes:
-        return _canonical_json(self.to_dict())
+        return canonical_json(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: Any) -> Manifest:
@@ -219,7 +221,7 @@ class Manifest:
             protocol_version=data["protocol_version"],
             run=run,
             swarm=swarm,
-            owner_public_key=_b64decode(data["owner_public_key"], "owner_public_key"),
+            owner_public_key=strict_b64decode(data["owner_public_key"], "owner_public_key"),
             created=data["created"],
         )
 
@@ -259,7 +261,7 @@ class SignedManifest:
             "manifest": self.canonical.decode("ascii"),
             "signature": base64.b64encode(self.signature).decode("ascii"),
         }
-        data = _canonical_json(envelope)
+        data = canonical_json(envelope)
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(
                 f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed"
@@ -280,7 +282,7 @@ class SignedManifest:
                 f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed"
             )
         try:
-            envelope = _json_loads(bytes(data))
+            envelope = strict_json_loads(bytes(data))
         except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError included
             raise ManifestError("manifest is not valid JSON") from None
         if (
@@ -291,10 +293,10 @@ class SignedManifest:
             raise ManifestError(
                 'manifest must be a JSON object {"manifest": str, "signature": str}'
             )
-        signature = _b64decode(envelope["signature"], "signature")
+        signature = strict_b64decode(envelope["signature"], "signature")
         try:
             canonical = envelope["manifest"].encode("ascii")
-            body = _json_loads(canonical)
+            body = strict_json_loads(canonical)
         except (ValueError, RecursionError):
             raise ManifestError("manifest body is not valid canonical JSON") from None
         if not isinstance(body, dict):
@@ -307,7 +309,7 @@ class SignedManifest:
             raise ManifestError(
                 f"manifest of protocol version {version}, this build speaks {PROTOCOL_VERSION}"
             )
-        owner_key = _b64decode(body.get("owner_public_key"), "owner_public_key")
+        owner_key = strict_b64decode(body.get("owner_public_key"), "owner_public_key")
         # Verify before interpreting anything else: unsigned content is never trusted.
         if not verify(owner_key, _SIGNING_CONTEXT + canonical, signature):
             raise ManifestError("manifest signature does not verify with the owner's key")

@@ -1,18 +1,15 @@
-"""Text sources, tokenizers, packed token datasets, shards and resumable shard streams.
+"""Tokenizers, packed token datasets, shards and resumable shard streams (the documents come
+from sources.py).
 
 Documents are tokenized, joined by a separator and packed into non-overlapping windows of
 `seq_len + 1` tokens (each window holds its own next-token targets); a seeded subset is held out.
 Shards are index tensors into the training windows, i.i.d. or k-means on model features (DiLoCo
-§3). `ShardStream`'s position is two integers, so a peer resumes it exactly. `datasets` is
-imported lazily: it costs about a second and only json/parquet/hub sources need it.
+§3). `ShardStream`'s position is two integers, so a peer resumes it exactly.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
-import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,17 +19,12 @@ import numpy as np
 import torch
 
 from diloco_peer.errors import DataError
+from diloco_peer.peer.sources import iter_source_texts, short_error
 
 logger = logging.getLogger(__name__)
 
-_BUILTIN_SOURCES = ("builtin:python-stdlib",)
 _DOC_SEPARATOR = "\n\n"
-_PLAIN_SUFFIXES = (".txt", ".md", ".py")
-_RECORD_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}  # -> datasets builder
-_SUFFIXES = (*_PLAIN_SUFFIXES, *_RECORD_SUFFIXES)
 _BPE_TRAIN_CHARS = 2_000_000  # enough text for a small BPE vocabulary, trained in about a second
-_HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
-_SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -86,7 +78,7 @@ def load_tokenizer(spec: str, texts: Iterable[str] | None = None) -> Tokenizer:
         try:
             return _HFTokenizer(HFTokenizer.from_file(str(path)))
         except Exception as exc:  # tokenizers raises plain Exception for unreadable files
-            raise DataError(f"cannot read tokenizer file {path}: {_short(exc)}") from None
+            raise DataError(f"cannot read tokenizer file {path}: {short_error(exc)}") from None
     if path.suffix == ".json":
         raise DataError(f"tokenizer file not found: {spec}")
     raise DataError(
@@ -127,114 +119,6 @@ def _train_bpe(spec: str, texts: Iterable[str] | None) -> Tokenizer:
     # A small corpus can run out of merges before N; the vocabulary is then smaller.
     logger.info("trained %s on %d characters: vocabulary %d", spec, chars, tokenizer.vocab_size)
     return tokenizer
-
-
-# --------------------------------------------------------------------------- sources
-
-
-def iter_source_texts(source: str) -> Iterator[str]:
-    """Documents of a source, in a deterministic order; empty documents are skipped.
-
-    Forms: "builtin:python-stdlib"; a local file or directory (.txt/.md/.py read whole,
-    .json/.jsonl field "text", .parquet column "text"); "hf:NAME[:CONFIG]" or a bare hub name
-    such as "org/name" (streamed, split "train", field "text"). The form and local paths are
-    checked here; files are read while iterating. A source with no text raises `DataError`.
-    """
-    texts: Iterator[str]
-    if source.startswith("builtin:"):
-        if source not in _BUILTIN_SOURCES:
-            raise DataError(
-                f"unknown builtin source {source!r}; available: {', '.join(_BUILTIN_SOURCES)}"
-            )
-        texts = _stdlib_texts()
-    elif source.startswith("hf:"):
-        name, _, config = source.removeprefix("hf:").partition(":")
-        if not name or ":" in config:
-            raise DataError(f"bad hub source {source!r}; expected 'hf:NAME' or 'hf:NAME:CONFIG'")
-        texts = _record_texts(f"dataset source {source}", name, config or None)
-    elif Path(source).expanduser().exists():
-        texts = _local_texts(Path(source).expanduser())
-    elif _HUB_NAME.match(source) and Path(source).suffix.lower() not in _SUFFIXES:
-        texts = _record_texts(f"dataset source {source}", source)
-    else:
-        raise DataError(f"data path not found: {source}")
-    return _require_text(texts, source)
-
-
-def _require_text(texts: Iterator[str], source: str) -> Iterator[str]:
-    found = False
-    for text in texts:
-        if text:
-            found = True
-            yield text
-    if not found:
-        raise DataError(
-            f"data source {source!r} yielded no text (files read: {', '.join(_SUFFIXES)})"
-        )
-
-
-def _sorted_walk(root: Path, skip_dir: Callable[[str], bool]) -> Iterator[Path]:
-    """Files under `root`, directories and files each visited in sorted order."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not skip_dir(d))
-        yield from (Path(dirpath) / filename for filename in sorted(filenames))
-
-
-def _stdlib_texts() -> Iterator[str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in _sorted_walk(root, lambda d: d in _SKIPPED_STDLIB_DIRS or d.startswith("test")):
-        if path.suffix == ".py" and not path.name.startswith("test_"):
-            yield _read_plain(path)
-
-
-def _local_texts(path: Path) -> Iterator[str]:
-    if not path.is_file():
-        # Hidden directories (.git, .cache) hold no corpus; other file types are skipped.
-        return _read_local_files(_sorted_walk(path, lambda d: d.startswith(".")))
-    if path.suffix.lower() not in _SUFFIXES:
-        raise DataError(f"unsupported data file {path}; expected one of {', '.join(_SUFFIXES)}")
-    return _read_local_files([path])
-
-
-def _read_local_files(files: Iterable[Path]) -> Iterator[str]:
-    for file in files:
-        suffix = file.suffix.lower()
-        if suffix in _PLAIN_SUFFIXES:
-            yield _read_plain(file)
-        elif suffix in _RECORD_SUFFIXES:
-            # Streaming reads the file in batches and writes no Arrow cache.
-            yield from _record_texts(str(file), _RECORD_SUFFIXES[suffix], data_files=str(file))
-
-
-def _read_plain(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from None
-
-
-def _record_texts(what: str, *args: Any, **kwargs: Any) -> Iterator[str]:
-    """Field "text" of `datasets.load_dataset(*args, **kwargs)`, failures as `DataError`."""
-    import datasets
-
-    try:
-        for record in datasets.load_dataset(*args, split="train", streaming=True, **kwargs):
-            text = record.get("text")
-            if text is None and "text" not in record:
-                raise DataError(f"{what}: records have no 'text' field (fields: {list(record)})")
-            if text is not None and not isinstance(text, str):
-                raise DataError(f"{what}: field 'text' holds {type(text).__name__}, not a string")
-            if text:
-                yield text
-    except DataError:
-        raise
-    except Exception as exc:  # datasets fails with many types (OSError, ArrowInvalid, ...)
-        raise DataError(f"cannot load {what}: {_short(exc)}") from None
-
-
-def _short(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
 
 
 # --------------------------------------------------------------------------- datasets

@@ -73,14 +73,17 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def _rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the rotary angles, each (seq_len, head_dim / 2): channel pair j of
+    position t turns by t · base^(-2j / head_dim) (RoFormer, arXiv 2104.09864, §3.4.2)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
     return angles.cos(), angles.sin()
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, H, T, D); rotate each (even, odd) pair of channels by its position's angle.
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each interleaved channel pair (2j, 2j+1) of x (B, H, T, D) by its position's
+    angle from `rope_tables` (export_hf.py maps this layout onto transformers' halves)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
@@ -99,7 +102,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(self.n_head * self.head_dim, dim=-1)
         # (B, T, H*D) -> (B, H, T, D)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -133,7 +136,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model)
-        cos, sin = _rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_base)
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_base)
         # Buffers, not parameters: derived from the config, so never averaged or checkpointed.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
