@@ -101,9 +101,10 @@ def wait_for_event(
     timeout_s: float,
     *,
     proc: subprocess.Popen[Any] | None = None,
+    count: int = 1,
     **match: object,
 ) -> dict[str, Any]:
-    """The first `event` in the event log `log` whose fields equal `match`, once written.
+    """The `count`-th `event` in the event log `log` whose fields equal `match`, once written.
 
     Raises TimeoutError after `timeout_s`, and LocalPeerFailed if `proc` (the peer writing the
     log) exits without having written it.
@@ -112,9 +113,13 @@ def wait_for_event(
     while True:
         # Whether it had exited before this read: an event written just before exiting counts.
         exited = proc is not None and proc.poll() is not None
-        for ev in read_log(log):
-            if ev.get("event") == event and all(ev.get(k) == v for k, v in match.items()):
-                return ev
+        found = [
+            ev
+            for ev in read_log(log)
+            if ev.get("event") == event and all(ev.get(k) == v for k, v in match.items())
+        ]
+        if len(found) >= count:
+            return found[count - 1]
         if exited and proc is not None:
             raise LocalPeerFailed(
                 f"{log.stem} exited with code {proc.returncode} before its {event} event"
@@ -185,10 +190,11 @@ class LocalSwarm:
         timeout_s: float,
         *,
         proc: subprocess.Popen[Any] | None = None,
+        count: int = 1,
         **match: object,
     ) -> dict[str, Any]:
         """`wait_for_event` on one of this swarm's logs."""
-        return wait_for_event(log, event, timeout_s, proc=proc, **match)
+        return wait_for_event(log, event, timeout_s, proc=proc, count=count, **match)
 
     def address(
         self,

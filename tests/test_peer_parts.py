@@ -200,3 +200,37 @@ def test_the_ban_list_holds_under_four_threads() -> None:
     assert errors == []
     assert bans.total == 2 * per_thread
     assert len(bans.active(0)) == 2 * per_thread
+
+
+def test_signals_stop_pause_and_resume_the_peer() -> None:
+    """SIGTERM and Ctrl+C stop at a safe point, SIGUSR1 pauses, SIGUSR2 resumes (`join`)."""
+    import os
+    import signal
+
+    from diloco_peer.peer.signals import install_signal_handlers
+
+    class Peer:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def request_stop(self) -> None:
+            self.calls.append("stop")
+
+        def request_pause(self) -> None:
+            self.calls.append("pause")
+
+        def request_resume(self) -> None:
+            self.calls.append("resume")
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    before = {s: signal.getsignal(s) for s in signals}
+    peer = Peer()
+    try:
+        install_signal_handlers(peer)
+        for n, s in enumerate((signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)):
+            os.kill(os.getpid(), s)
+            assert wait_until(lambda n=n: len(peer.calls) == n + 1)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    assert peer.calls == ["pause", "resume", "stop", "stop"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import DemoRun
 from matplotlib.image import imread
 
 from diloco_peer import plot
@@ -303,23 +304,19 @@ def test_the_installed_command_keeps_the_error_contract(tmp_path: Path) -> None:
 
 
 @pytest.mark.multipeer
-@pytest.mark.timeout(200)
-def test_plot_of_a_real_demo_log(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    log, out = tmp_path / "demo.jsonl", tmp_path / "demo.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "diloco_peer", "demo", "--peers", "2", "--rounds", "2",
-         "--model", "nano", "-H", "10", "--log-json", str(log), "--json"],
-        capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads(proc.stdout)
+@pytest.mark.timeout(240)
+def test_plot_of_a_real_demo_log(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, demo_run: DemoRun
+) -> None:
+    log, out, summary = demo_run.log, tmp_path / "demo.png", demo_run.summary
     rc, _, stderr = cli(capsys, "plot", log, "--out", out)
     assert rc == 0, stderr
     assert_png(out)
     (run,), notes = load_runs([log])
-    assert notes == [] and len(run.curves) == 2
+    assert notes == [] and len(run.curves) == len(summary["peers"]) == 3
+    rounds = {p["peer_id"][-8:]: p["rounds"] for p in summary["peers"]}
     for curve in run.curves:
         # The x axis ends at the steps the swarm's state holds, as its own counters say.
         assert curve.ppl_by_steps[-1][0] == summary["applied_steps"]
-        assert len(curve.group_size_by_version) == 2
+        assert len(curve.group_size_by_version) == rounds[curve.label[-8:]]
         assert curve.ppl_by_time[0][1] == pytest.approx(summary["ppl_before"])

@@ -95,6 +95,8 @@ keep_updates = 16
 """
 
 
+# Slow phase: the outer step is tests/test_outer.py; the sync twin stays in the default suite.
+@pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
 def test_async_swarm_updates_are_the_engines_delayed_nesterov(
@@ -170,6 +172,8 @@ def _metadata(data: bytes) -> dict[str, str]:
     return json.loads(data[8 : 8 + length])["__metadata__"]
 
 
+# Slow phase: bit-identical codecs in tests/test_group_averager.py and tests/test_compression.py.
+@pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
 def test_int8_swarm_agrees_and_sends_a_quarter_of_the_bytes(
@@ -220,6 +224,8 @@ eval_every = 0
 """
 
 
+# Slow phase: the drop rule in tests/test_round.py.
+@pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
 def test_async_drops_contributions_older_than_the_staleness_limit(

@@ -34,18 +34,13 @@ def _wait_all(procs: list, timeout_s: float) -> None:
         p.wait(timeout=max(1.0, deadline - time.time()))
 
 
+# Slow phase: each layer's rule has unit tests (admission in tests/test_trust.py, the reducers'
+# screening in tests/test_robust.py, bans in tests/test_peer_parts.py and test_contribution.py).
+@pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "mode",
-    # one attack per layer; the default suite runs the reducers' (nan), CI's slow phase the
-    # others, and bench/chaos_swarm.py all eight
-    [
-        "nan",
-        pytest.param("signflip", marks=pytest.mark.slow),
-        pytest.param("forge", marks=pytest.mark.slow),
-    ],
-)
+# one attack per layer; bench/chaos_swarm.py runs all eight
+@pytest.mark.parametrize("mode", ["nan", "signflip", "forge"])
 def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: LocalSwarm, mode: str) -> None:
     """3 honest peers + 1 hostile: nan is caught by the part reducers, signflip by their
     direction check, forge at admission. Honest states stay finite and on one branch, the
@@ -135,6 +130,8 @@ def test_a_private_swarm_admits_only_listed_keys(swarm: LocalSwarm, tmp_path: Pa
     assert "not allowed" in (tmp_path / "stranger.err").read_text()
 
 
+# Slow phase: corruption in tests/test_peer_state.py.
+@pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(240)
 def test_a_peer_checkpoint_with_a_flipped_byte_is_refused_and_kept(tmp_path: Path) -> None:

@@ -1,0 +1,205 @@
+"""The round (peer/round.py) on a real replica and guard with a fake averager and a hand-built
+swarm view: every outcome (committed, alone, retry, kept, dropped), whom a sync group marks
+absent, and the bounded retry loop. End to end, tests/test_swarm.py runs these with real peers."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from diloco_peer.averaging.group_averager import GroupResult
+from diloco_peer.averaging.outer import build_outer_optimizer
+from diloco_peer.averaging.state import ReplicatedState
+from diloco_peer.config import SwarmSettings
+from diloco_peer.coordinator_free.records import PeerHead
+from diloco_peer.coordinator_free.swarm_view import HeadBook, SwarmView
+from diloco_peer.coordinator_free.update_log import UpdateLog
+from diloco_peer.errors import AllReduceFailed, NoGroup
+from diloco_peer.identity import Identity
+from diloco_peer.peer.delta import Contribution
+from diloco_peer.peer.heads import Activity
+from diloco_peer.peer.replica import Replica
+from diloco_peer.peer.round import Ledger, Round, RoundStatus
+from diloco_peer.peer.telemetry import Counters, TensorBoard
+from diloco_peer.peer.trust import Guard
+
+ME = Identity.generate()
+OTHER = "PeerBee"
+
+
+class FakeHeads:
+    """The swarm view a round reads: other peers at our version and state, with the fields
+    `others` gives each (in a group search, training until eta, ...)."""
+
+    def __init__(self, replica: Replica, others: dict[str, dict[str, Any]]) -> None:
+        self.replica, self.others = replica, others
+        self.book = HeadBook(ME.peer_id_str)
+        self.published: list[bool] = []
+
+    def view(self) -> SwarmView:
+        v, h = self.replica.version, self.replica.published_hash
+        heads = {
+            p: PeerHead(peer_id=p, version=v, state_hash=h, **f) for p, f in self.others.items()
+        }
+        return SwarmView(ME.peer_id_str, v, h, heads)
+
+    def publish(self, in_group: bool = False, leaving: bool = False) -> None:
+        self.published.append(in_group)
+
+
+class FakeAverager:
+    """Answers `average` with each of `answers` in turn (an exception is raised)."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers = list(answers)
+        self.calls: list[dict[str, Any]] = []
+
+    def average(self, key: str, delta: list[torch.Tensor], **kwargs: Any) -> GroupResult:
+        self.calls.append({"key": key, **kwargs})
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+class Events:
+    def __init__(self) -> None:
+        self.emitted: list[tuple[str, dict[str, Any]]] = []
+
+    def emit(self, event: str, **fields: Any) -> None:
+        self.emitted.append((event, fields))
+
+    def names(self) -> list[str]:
+        return [e for e, _ in self.emitted]
+
+
+def make_round(
+    averager: FakeAverager,
+    others: dict[str, dict[str, Any]],
+    *,
+    protocol: str = "sync",
+    catch_up: Any = lambda: False,
+) -> tuple[Round, Replica, FakeHeads, Events]:
+    swarm = SwarmSettings(protocol=protocol, staleness_limit=2)  # type: ignore[arg-type]
+    state = ReplicatedState([torch.zeros(4)], build_outer_optimizer("sgd", lr=1.0), 2, "m" * 64)
+    replica = Replica(state, UpdateLog(4))
+    replica.snapshot()
+    heads, events = FakeHeads(replica, others), Events()
+    training = SimpleNamespace(eval_ppl=lambda: 7.0,
+                               trainer=SimpleNamespace(speed=SimpleNamespace(steps_per_s=2.0)))  # fmt: skip
+    part = Round(
+        me=ME.peer_id_str, swarm=swarm, replica=replica, training=training,  # type: ignore[arg-type]
+        guard=Guard(ME, "run1", swarm), averager=lambda: averager, heads=heads,  # type: ignore[arg-type]
+        activity=Activity(eta=123.0), counters=Counters(), ledger=Ledger(),
+        events=events, tensorboard=TensorBoard(None), catch_up=catch_up,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return part, replica, heads, events
+
+
+def delta(base: int = 0) -> Contribution:
+    return Contribution([torch.full((4,), 0.5)], base, {1: 40}, 10)
+
+
+def result(members: list[str]) -> GroupResult:
+    return GroupResult(
+        average=[torch.full((4,), 0.25)], members=sorted(members), weights={}, gathered={},
+        group_id=b"g", bytes_sent=10, bytes_received=12, matchmaking_s=0.1, allreduce_s=0.1,
+    )  # fmt: skip
+
+
+def test_a_delta_older_than_the_staleness_limit_is_dropped_and_counted() -> None:
+    part, replica, _, events = make_round(FakeAverager(AssertionError("not asked")), {})
+    replica.state.version = 3  # δ of base 0: staleness 3 > limit 2
+    outcome = part.run(delta(base=0), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.DROPPED and not outcome.applied
+    assert part.counters.dropped == 1 and events.names() == ["dropped"]
+    assert part.activity.eta is None and part.ledger.pending is None
+
+
+def test_alone_in_the_swarm_a_peer_applies_its_own_delta() -> None:
+    part, replica, heads, events = make_round(FakeAverager(AssertionError("not asked")), {})
+    mine = delta()
+    outcome = part.run(mine, loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.ALONE and outcome.report is not None
+    assert replica.version == 1 and torch.equal(replica.state.theta[0], torch.full((4,), -0.5))
+    assert outcome.report.group_size == 1 and outcome.report.ppl == 7.0
+    assert part.ledger.last_own == (1, mine) and part.co_planners == []
+    assert part.counters.rounds_done == 1 and events.names() == ["round"]
+    assert replica.published_hash == replica.state.hash() and heads.published == [False]
+
+
+def test_a_sync_round_without_a_group_keeps_the_delta() -> None:
+    averager = FakeAverager(NoGroup("nobody came"))
+    part, replica, heads, events = make_round(averager, {OTHER: {}})
+    mine = delta()
+    outcome = part.run(mine, loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.KEPT and outcome.reason == "no group formed"
+    assert part.ledger.pending is mine and replica.version == 0
+    assert events.names() == ["round_failed"] and heads.published == [True]
+    assert averager.calls[0]["matchmaking_timeout_s"] == part.swarm.sync_timeout_s
+    assert averager.calls[0]["target_size"] == 2 and averager.calls[0]["key"].startswith("v0_")
+    assert heads.book.absent == {}  # late is not gone: nobody is marked absent
+
+
+def test_a_failed_all_reduce_keeps_the_delta() -> None:
+    part, replica, _, events = make_round(FakeAverager(AllReduceFailed("reducer gone")),
+                                          {OTHER: {}})  # fmt: skip
+    outcome = part.run(delta(), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.KEPT and outcome.reason.startswith("all-reduce failed")
+    assert replica.version == 0 and events.names() == ["round_failed"]
+
+
+def test_a_sync_group_commits_the_average_and_marks_who_it_formed_without() -> None:
+    others: dict[str, dict[str, Any]] = {OTHER: {}, "Thirdpeer": {}}
+    part, replica, _, events = make_round(FakeAverager(result([ME.peer_id_str, OTHER])), others)
+    outcome = part.run(delta(), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.COMMITTED and outcome.report is not None
+    assert outcome.report.group_size == 2 and outcome.report.bytes_sent == 10
+    assert torch.equal(replica.state.theta[0], torch.full((4,), -0.25))  # sgd, lr 1: -average
+    assert part.co_planners == [OTHER]
+    assert set(part.heads.book.absent) == {"Thirdpeer"}
+
+
+def test_async_waits_only_for_peers_expected_soon() -> None:
+    # the other peer trains a long phase: nobody to wait for, the δ is applied at once
+    busy = {OTHER: {"speed": 1.0, "eta": 1e12}}
+    part, replica, _, _ = make_round(FakeAverager(AssertionError("not asked")), busy,
+                                     protocol="async")  # fmt: skip
+    assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.ALONE
+
+
+def test_async_without_a_group_retries_at_a_new_head_or_once_for_a_grouping_peer() -> None:
+    grouping = {OTHER: {"in_group": True, "speed": 1.0}}
+    moved = iter([True, False, False])
+    averager = FakeAverager(NoGroup("nobody came"))
+    part, replica, _, _ = make_round(averager, grouping, protocol="async",
+                                     catch_up=lambda: next(moved))  # fmt: skip
+    # 1: the head moved (catch-up) -> retry; 2: a peer at our state is grouping -> look once
+    # more; 3: still nobody -> apply alone
+    outcome = part.run(delta(), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.ALONE and len(averager.calls) == 3
+    assert averager.calls[0]["matchmaking_timeout_s"] == part.swarm.grace_s
+
+
+def test_the_retry_loop_is_bounded() -> None:
+    averager = FakeAverager(NoGroup("nobody came"))
+    grouping = {OTHER: {"in_group": True, "speed": 1.0}}
+    part, replica, _, events = make_round(averager, grouping, protocol="async",
+                                          catch_up=lambda: True)  # fmt: skip
+    outcome = part.run(delta(), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.KEPT and "kept moving" in outcome.reason
+    assert len(averager.calls) == 2 + part.swarm.staleness_limit
+    assert replica.version == 0 and part.ledger.pending is not None
+
+
+def test_round_outcomes_are_values() -> None:
+    from diloco_peer.peer.round import RoundOutcome
+
+    kept = RoundOutcome(RoundStatus.KEPT, reason="no group formed")
+    assert not kept.applied and dataclasses.replace(kept, reason="x").reason == "x"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kept.status = RoundStatus.RETRY  # type: ignore[misc]
