@@ -66,6 +66,27 @@ def _non_negative(name: str, value: float) -> None:
         raise ConfigError(f"{name} must be >= 0, got {value}")
 
 
+def _checked_fields(cls: type, data: Any, what: str, not_a_dict: str) -> dict[str, Any]:
+    """`data` (JSON or TOML) as keyword arguments of the dataclass `cls`: every key one of its
+    fields, every value of its default's type (an int is a fine float, a bool never a number),
+    integers within MAX_INT; ConfigError naming `what` (or `not_a_dict`) otherwise."""
+    if not isinstance(data, dict):
+        raise ConfigError(not_a_dict)
+    defaults = cls()
+    unknown = sorted(map(str, set(data) - {f.name for f in dataclasses.fields(cls)}))
+    if unknown:
+        raise ConfigError(f"unknown {what}(s): {', '.join(unknown)}")
+    for name, value in data.items():
+        default = getattr(defaults, name)
+        kind = float if isinstance(default, float) else type(default)
+        ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
+        if not ok or isinstance(value, bool) != isinstance(default, bool):
+            raise ConfigError(f"{what} {name} has the wrong type")
+        if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+            raise ConfigError(f"{what} {name} is out of range")
+    return data
+
+
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
@@ -148,21 +169,9 @@ class RunSpec:
     @classmethod
     def from_dict(cls, data: Any) -> RunSpec:
         """Rebuild from `to_dict()` output; unknown or ill-typed fields raise ConfigError."""
-        if not isinstance(data, dict):
-            raise ConfigError("run config must be a JSON object")
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown run config field(s): {', '.join(unknown)}")
-        for name, value in data.items():
-            default = getattr(cls(), name)
-            kind = float if isinstance(default, float) else type(default)
-            ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
-            if not ok or isinstance(value, bool) != isinstance(default, bool):
-                raise ConfigError(f"run config field {name} has the wrong type")
-            if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
-                raise ConfigError(f"run config field {name} is out of range")
-        return cls(**data)
+        return cls(
+            **_checked_fields(cls, data, "run config field", "run config must be a JSON object")
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -309,23 +318,11 @@ class SwarmSettings:
     @classmethod
     def from_dict(cls, data: Any) -> SwarmSettings:
         """Rebuild from `to_dict()` output; unknown or ill-typed fields raise ConfigError."""
-        if not isinstance(data, dict):
-            raise ConfigError("swarm settings must be a table / JSON object")
-        defaults = cls()
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ConfigError(f"unknown swarm setting(s): {', '.join(map(str, unknown))}")
-        for name, value in data.items():
-            default = getattr(defaults, name)
-            # bool is an int in Python, never a number here; an int is a fine float.
-            if isinstance(value, bool) or not (
-                isinstance(value, type(default))
-                or (isinstance(default, float) and isinstance(value, int))
-            ):
-                raise ConfigError(f"swarm setting {name} has the wrong type")
-            if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
-                raise ConfigError(f"swarm setting {name} is out of range")
-        return cls(**data)
+        return cls(
+            **_checked_fields(
+                cls, data, "swarm setting", "swarm settings must be a table / JSON object"
+            )
+        )
 
 
 def default_run(
