@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -97,11 +98,16 @@ def test_bad_join_input_is_one_line_and_exit_2(tmp_path: Path, swarm: LocalSwarm
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         cases.append(["--port", str(busy.getsockname()[1])])
-        for args in cases:
-            out = _join_fails(tmp_path, *NANO if "--swarm" not in args else (), *args)
-            lines = out.stderr.strip().splitlines()
-            assert out.returncode == 2, (args, out.stderr[-1500:])
-            assert len(lines) == 1 and lines[0].startswith("diloco-peer: error:"), (args, lines)
+        # all at once: each case is a process of its own, and most of its time is imports
+        with ThreadPoolExecutor(len(cases)) as pool:
+            outs = list(pool.map(
+                lambda args: _join_fails(tmp_path, *NANO if "--swarm" not in args else (), *args),
+                cases,
+            ))  # fmt: skip
+    for args, out in zip(cases, outs, strict=True):
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2, (args, out.stderr[-1500:])
+        assert len(lines) == 1 and lines[0].startswith("diloco-peer: error:"), (args, lines)
 
 
 @pytest.mark.multipeer

@@ -8,7 +8,6 @@ import typer
 
 from diloco_peer.cli.app import app, configure_logging
 from diloco_peer.errors import IdentityError
-from diloco_peer.identity import Identity
 
 
 @app.command()
@@ -24,6 +23,8 @@ def keygen(
     run owner, whose `diloco-peer allow` reads it.
     """
     configure_logging()
+    from diloco_peer.identity import Identity  # hivemind: imported only when needed
+
     public = out.with_name(out.name + ".pub")
     # Both files are checked before either is written, so a refusal leaves nothing behind.
     for path in (out, public):

@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from diloco_peer.cli.app import app, configure_logging
-from diloco_peer.plot import build_figure, check_out, load_runs, save_png
 
 
 @app.command()
@@ -23,6 +22,8 @@ def plot(
 ) -> None:
     """Training curves of swarm logs and simulator runs: one PNG of four panels."""
     configure_logging()
+    from diloco_peer.plot import build_figure, check_out, load_runs, save_png  # matplotlib
+
     check_out(out, overwrite, logs)
     runs, notes = load_runs(logs)
     save_png(build_figure(runs, title), out)
