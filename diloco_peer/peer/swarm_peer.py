@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
+from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.reachability import Verdict
@@ -57,7 +58,14 @@ from diloco_peer.peer.network import (
 from diloco_peer.peer.phase import Controls, Phase, PhasePaused, StopRequested, build_training
 from diloco_peer.peer.replica import Replica, prepare_record_dir
 from diloco_peer.peer.round import Ledger, Round, RoundOutcome
-from diloco_peer.peer.telemetry import Counters, Gauges, TensorBoard, resources, serve_metrics
+from diloco_peer.peer.telemetry import (
+    Counters,
+    Gauges,
+    RoundReport,
+    TensorBoard,
+    resources,
+    serve_metrics,
+)
 from diloco_peer.peer.trust import Guard
 
 log = logging.getLogger(__name__)
@@ -97,7 +105,7 @@ class SwarmPeer:
         founding: tuple[RunSpec, SwarmSettings] | None = None,
         faults: FaultPlan | None = None,
         on_step: Callable[[int, int, float], None] | None = None,
-        on_round: Callable[[Any], None] | None = None,
+        on_round: Callable[[RoundReport], None] | None = None,
     ) -> None:
         self.spec, self.founding, self.faults = spec, founding, faults or FaultPlan()
         self.on_step = on_step or (lambda done, total, loss: None)
@@ -131,7 +139,7 @@ class SwarmPeer:
         return [str(m) for m in self.node.dht.get_visible_maddrs()] if self.node else []
 
     @property
-    def state(self) -> Any:
+    def state(self) -> ReplicatedState:
         return self.replica.state
 
     @property
