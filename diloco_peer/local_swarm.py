@@ -1,10 +1,11 @@
 """Real peers on this machine: `python -m diloco_peer join` processes, started, watched, stopped.
 
 `demo`, the multi-peer tests and the swarm benches (bench/chaos_swarm.py, bench/wan.py) launch
-peers through this module. Each peer runs in a session (process group) of its own, because
-its forked DHT process and its libp2p daemon live in that session: stopping a peer signals the
-whole session, so that nothing outlives it. `kill_main` kills the main process alone, as a crash
-or the OOM killer does, for tests of DESIGN §3's rule that a peer's processes die together.
+peers through this module. Each peer runs in a session of its own, which holds its forked DHT
+process and libp2p daemon (a process group of their own) and its lifeline (lifeline.py): stopping
+a peer SIGTERMs its main process, which stops the rest, and then SIGKILLs whatever is left in the
+session, so that nothing outlives it. `kill_main` kills the main process alone, as a crash or the
+OOM killer does, for tests of DESIGN §3's rule that a peer's processes die together.
 What a peer does is read from its `--log-json` events (DESIGN §6, peer/events.py).
 
     with LocalSwarm(folder, run="t") as swarm:  # every session is killed on the way out
@@ -27,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from diloco_peer import procfs
 from diloco_peer.errors import LocalPeerFailed
 from diloco_peer.peer.events import read_log
 
@@ -58,11 +60,13 @@ def spawn(
 
 
 def kill_session(proc: subprocess.Popen[Any], wait_s: float = KILL_WAIT_S) -> None:
-    """SIGKILL every process in the session of `proc` (what it forked dies too), then reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the session is empty already
+    """SIGKILL every process in the session of `proc` (what it forked dies too, in whatever
+    process group: a peer's DHT process leads one of its own), then reap it."""
+    for pid in [proc.pid, *procfs.session_members(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already
     try:
         proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
@@ -76,7 +80,7 @@ def stop_sessions(procs: Sequence[subprocess.Popen[Any]], grace_s: float) -> Non
     running = [p for p in procs if p.poll() is None]
     for proc in running:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)  # the peer stops its own DHT process and daemon
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace_s

@@ -34,6 +34,8 @@ from diloco_peer.coordinator_free.state_transfer import StateBlob, StateServer
 from diloco_peer.coordinator_free.swarm_view import HEAD_TTL_S
 from diloco_peer.errors import BadInput, P2PServiceStopped
 from diloco_peer.identity import Identity
+from diloco_peer.lifeline import Lifeline, end_orphans
+from diloco_peer.p2p.dht import PeerDHT
 from diloco_peer.p2p.service import P2PService
 from diloco_peer.peer.catch_up import SwarmDownloads
 from diloco_peer.peer.faults import FaultPlan
@@ -46,6 +48,19 @@ READY_TIMEOUT_S = 30.0
 """Each part's setup (the service's replica, the averager's and servers' handlers)."""
 REACHABILITY_TIMEOUT_S = 10.0
 """A joiner's dial-back probe (reachability.py): at most this long before it trains."""
+
+
+def start_lifeline(key: bytes, tmp: Path, me: str) -> Lifeline:
+    """The watcher that ends this peer's DHT process and daemon with it and removes `tmp`
+    (lifeline.py), once what a dead previous run with this key left behind is ended."""
+    line = Lifeline.start()
+    line.watch_path(tmp)
+    line.own_folder(tmp)
+    ended = end_orphans(key)
+    if ended:
+        log.warning("[%s] ended %d process(es) that a killed earlier run with this key left "
+                    "running", me, ended)  # fmt: skip
+    return line
 
 
 def load_allowlist(path: str | None, run_name: str, peer_id: str) -> Allowlist | None:
@@ -99,11 +114,14 @@ def open_node(
     port: int,
     client_mode: bool,
     identity_checked: bool = True,
+    lifeline: Lifeline | None = None,
 ) -> Node:
     """Start the DHT node on `spec.host:port` and a ready P2P service on it; BadInput if the
-    node cannot start (a bad address, a busy port, a key already in use)."""
+    node cannot start (a bad address, a busy port, a key already in use). With a `lifeline`, the
+    DHT process and its daemon end when this process does, however it dies."""
     try:
-        dht = DHT(
+        dht = PeerDHT(
+            lifeline=lifeline,
             start=True,
             identity_path=str(key_path),
             host_maddrs=[f"/ip4/{spec.host}/tcp/{port}"],
@@ -172,6 +190,7 @@ def become_reachable(
     key_path: Path,
     validators: list[RecordValidatorBase],
     report: Callable[[reachability.Verdict, int], None],
+    lifeline: Lifeline | None = None,
 ) -> Node:
     """A joiner started in client mode asks a swarm peer to dial it. If one did, or none
     answered, it starts over as a full peer on the same port (the node returned); if none
@@ -189,7 +208,7 @@ def become_reachable(
     log.info("[%s] reachability: %s (%s)", me, verdict.status, verdict.detail)
     node.shutdown()
     return open_node(spec, key_path, validators, port=port, client_mode=False,
-                     identity_checked=False)  # fmt: skip
+                     identity_checked=False, lifeline=lifeline)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.reachability import Verdict
 from diloco_peer.coordinator_free.update_log import UpdateLog
 from diloco_peer.identity import Identity
+from diloco_peer.lifeline import Lifeline
 from diloco_peer.peer import peer_checkpoint
 from diloco_peer.peer.catch_up import CatchUp
 from diloco_peer.peer.events import EventLog
@@ -54,6 +55,7 @@ from diloco_peer.peer.network import (
     load_allowlist,
     open_node,
     run_prefix,
+    start_lifeline,
 )
 from diloco_peer.peer.phase import Controls, Phase, PhasePaused, StopRequested, build_training
 from diloco_peer.peer.replica import Replica, prepare_record_dir
@@ -120,6 +122,7 @@ class SwarmPeer:
         self.net: Network | None = None
         self.heartbeat: Heartbeat | None = None
         self.metrics: MetricsServer | None = None
+        self.lifeline: Lifeline | None = None
         self.tensorboard = TensorBoard(None)
         self._ready = False  # set once start() succeeded: only then may shutdown() checkpoint
 
@@ -150,6 +153,8 @@ class SwarmPeer:
 
     def start(self) -> None:
         """Join or found the swarm, agree on the manifest, build everything the loop needs."""
+        self.lifeline = start_lifeline(self.identity.to_bytes(), Path(self._tmp.name),
+                                       self.peer_id[-6:])  # fmt: skip
         key_path = Path(self._tmp.name) / "identity.key"
         key_path.write_bytes(self.identity.to_bytes())
         key_path.chmod(0o600)
@@ -161,7 +166,8 @@ class SwarmPeer:
         # machine nobody can dial never enters the others' routing tables.
         probing = self.founding is None and not self.spec.client_mode and not self.spec.announce
         self.node = open_node(self.spec, key_path, validators, port=self.spec.port,
-                              client_mode=self.spec.client_mode or probing)  # fmt: skip
+                              client_mode=self.spec.client_mode or probing,
+                              lifeline=self.lifeline)  # fmt: skip
         ckpt = peer_checkpoint.checkpoint_path(self.spec.checkpoint_dir, self.spec.run_name)
         stored = peer_checkpoint.stored_manifest(ckpt, self.spec.run_name)
         self.signed = agree_on_manifest(
@@ -239,7 +245,8 @@ class SwarmPeer:
                 group_size=0, loss=None, status=verdict.status, detail=verdict.detail, port=port,
             )  # fmt: skip
 
-        self.node = become_reachable(self._node(), self.spec, prefix, key_path, validators, emit)
+        self.node = become_reachable(self._node(), self.spec, prefix, key_path, validators, emit,
+                                     self.lifeline)  # fmt: skip
 
     def _resume(self, path: Path | None) -> None:
         if path is None:
@@ -455,6 +462,8 @@ class SwarmPeer:
                 self.node.shutdown()
             self.events.close()
             self._tmp.cleanup()
+            if self.lifeline is not None:
+                self.lifeline.close()
 
     def _emit_stop(self) -> None:
         c = self.counters

@@ -1,0 +1,119 @@
+"""A crashed peer leaves nothing behind and comes back (DESIGN §3, lifeline.py).
+
+The crash is a SIGKILL of the peer's main process alone, as the out-of-memory killer or a crash
+in native code does it: the kernel does not kill the process's children.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco_peer import procfs
+from diloco_peer.identity import Identity
+from diloco_peer.local_swarm import LocalSwarm, kill_main
+from diloco_peer.peer.events import read_log
+
+FAST_RUN = """
+[run]
+model = "nano"
+inner_steps = 10
+warmup_steps = 5
+num_shards = 8
+
+[swarm]
+sync_timeout_s = 6.0
+allreduce_timeout_s = 6.0
+checkpoint_every = 1
+"""
+
+
+def _until(check, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return bool(check())
+
+
+def _daemon_of(sid: int) -> tuple[str, ...]:
+    argv = [procfs.cmdline(pid) for pid in procfs.session_members(sid)]
+    daemons = [a for a in argv if procfs.is_daemon(a)]
+    assert daemons, f"no libp2p daemon in the peer's session: {argv}"
+    return daemons[0]
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(120)
+def test_a_peer_killed_alone_leaves_no_process_socket_or_key_behind(swarm: LocalSwarm) -> None:
+    peer, log = swarm.start("a", "--model", "nano")
+    swarm.wait_event(log, "start", 90, proc=peer)
+    members = procfs.session_members(peer.pid)
+    daemon = _daemon_of(peer.pid)
+    sockets = procfs.daemon_sockets(daemon)
+    key_folder = Path(procfs.daemon_option(daemon, "id") or "").parent
+    assert len(members) >= 4, members  # main, DHT process, daemon, lifeline
+    assert sockets[0].exists() and key_folder.name.startswith("diloco-peer-")
+
+    kill_main(peer)
+    killed = time.monotonic()
+    assert _until(lambda: not procfs.session_members(peer.pid), 5.0), [
+        procfs.cmdline(pid) for pid in procfs.session_members(peer.pid)
+    ]
+    assert time.monotonic() - killed < 5.0
+    assert not any(s.exists() for s in sockets)
+    assert not key_folder.exists()  # the private key's copy for the daemon is gone too
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(240)
+def test_a_restart_ends_what_its_killed_incarnation_left_and_rejoins(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(FAST_RUN)
+    a, log_a = swarm.start("a", "--config", str(cfg))
+    maddr = swarm.wait_event(log_a, "start", 90, proc=a)["maddrs"][0]
+    key, ckpt = tmp_path / "b.key", tmp_path / "b-ckpt"
+    key.write_bytes(Identity.generate().to_bytes())
+    b_args = ["--swarm", maddr, "--identity", str(key), "--checkpoint-dir", str(ckpt)]
+    b, log_b = swarm.start("b", *b_args)
+    swarm.wait_event(log_b, "round", 120, proc=b, count=2)
+
+    # The key is live: a second peer with it is refused, and b's processes are left alone.
+    dup, _ = swarm.start("dup", "--swarm", maddr, "--identity", str(key))
+    assert dup.wait(timeout=90) == 2
+    err = (tmp_path / "dup.err").read_text().strip().splitlines()
+    assert "already taken" in err[-1] and not any("Traceback" in line for line in err), err
+    assert b.poll() is None and procfs.is_daemon(_daemon_of(b.pid))
+
+    # The worst crash: the lifeline is gone first, then the main process. The DHT process and
+    # the daemon stay, holding the key, until the restart ends them.
+    lifeline = [
+        p for p in procfs.session_members(b.pid) if "lifeline" in " ".join(procfs.cmdline(p))
+    ]
+    assert len(lifeline) == 1
+    os.kill(lifeline[0], signal.SIGKILL)
+    kill_main(b)
+    time.sleep(1.0)
+    left = procfs.session_members(b.pid)
+    assert len(left) == 2, [procfs.cmdline(p) for p in left]  # DHT process and daemon
+
+    restarted = time.monotonic()
+    b2, log_b2 = swarm.start("b2", *b_args)
+    start = swarm.wait_event(log_b2, "start", 60, proc=b2)
+    assert time.monotonic() - restarted < 30, "the restart took over 30 s to rejoin"
+    assert "ended 2 process(es)" in (tmp_path / "b2.err").read_text()
+    assert not procfs.session_members(b.pid)
+    assert start["peer"] == next(e for e in read_log(log_b) if e["event"] == "start")["peer"]
+    resume = next(e for e in read_log(log_b2) if e["event"] == "resume")
+    assert resume["version"] >= 1 and resume["rounds_done"] >= 1
+    # it trains again: a round together with a, at the swarm's version or later
+    target = max(e["version"] for e in read_log(log_a) if e["event"] == "round")
+    done = swarm.wait_event(log_b2, "round", 90, proc=b2)
+    assert done["version"] >= target and done["group_size"] == 2, done
