@@ -10,6 +10,7 @@ import pytest
 
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.swarm_view import (
+    SPEED_CAP,
     HeadBook,
     HeadChoice,
     SwarmView,
@@ -37,40 +38,68 @@ def view(*heads: PeerHead, version: int = 0, state_hash: str = H0) -> SwarmView:
 
 def test_a_read_adds_and_refreshes_but_never_forgets_or_goes_back() -> None:
     book = HeadBook(ME, ttl_s=60)
-    book.merge({A: head(A, 3, updated=NOW), B: head(B, 3, updated=NOW)})
-    book.merge({A: head(A, 2, updated=NOW - 5)})  # an older head from a slow DHT node
+    book.merge({A: head(A, 3, updated=NOW), B: head(B, 3, updated=NOW)}, NOW)
+    book.merge({A: head(A, 2, updated=NOW - 5)}, NOW)  # an older head from a slow DHT node
     assert book.seen[A].version == 3
-    book.merge({})  # a partial read: nobody vanishes
+    book.merge({}, NOW)  # a partial read: nobody vanishes
     assert set(book.live(NOW + 1)) == {A, B}
-    book.merge({B: head(B, 4, updated=NOW + 2)})
+    book.merge({B: head(B, 4, updated=NOW + 2)}, NOW + 2)
     assert book.seen[B].version == 4
 
 
 def test_heads_older_than_the_ttl_are_not_live() -> None:
     book = HeadBook(ME, ttl_s=60)
-    book.merge({A: head(A, updated=NOW - 59.9), B: head(B, updated=NOW - 60.0)})
+    book.merge({A: head(A, updated=NOW - 59.9), B: head(B, updated=NOW - 60.0)}, NOW)
     assert set(book.live(NOW)) == {A}
 
 
 def test_a_departure_wins_at_once_and_records_its_version() -> None:
     book = HeadBook(ME, ttl_s=60)
-    book.merge({A: head(A, 5, updated=NOW), B: head(B, 2, updated=NOW)})
-    book.merge({A: head(A, 7, updated=0.0)})  # A leaves at version 7
+    book.merge({A: head(A, 6, updated=NOW), B: head(B, 2, updated=NOW)}, NOW)
+    book.merge({A: head(A, 7, updated=0.0)}, NOW)  # A leaves at version 7
     assert A not in book.live(NOW)
     assert book.departed_version == 7
-    book.merge({B: head(B, 2, updated=0.0), ME: head(ME, 9, updated=0.0)})
+    book.merge({B: head(B, 2, updated=0.0), ME: head(ME, 9, updated=0.0)}, NOW)
     assert book.departed_version == 7  # a lower departure, and our own, change nothing
 
 
 def test_an_absent_peer_is_ignored_until_it_publishes_a_newer_head() -> None:
     book = HeadBook(ME, ttl_s=60)
-    book.merge({A: head(A, updated=NOW), B: head(B, updated=NOW)})
+    book.merge({A: head(A, updated=NOW), B: head(B, updated=NOW)}, NOW)
     book.mark_absent([A, B], present=[ME, B], now=NOW + 1)
     assert set(book.live(NOW + 2)) == {B}
-    book.merge({A: head(A, updated=NOW + 1)})  # not newer than the mark
+    book.merge({A: head(A, updated=NOW + 1)}, NOW + 2)  # not newer than the mark
     assert A not in book.live(NOW + 2)
-    book.merge({A: head(A, updated=NOW + 3)})
+    book.merge({A: head(A, updated=NOW + 3)}, NOW + 3)
     assert A in book.live(NOW + 4)
+
+
+def test_a_head_from_the_future_is_ignored_and_a_date_alone_keeps_nobody_live() -> None:
+    book = HeadBook(ME, ttl_s=60)
+    book.merge({A: head(A, 9, updated=1e12), B: head(B, 3, updated=NOW + 5)}, NOW)
+    assert A not in book.seen  # dated past our clock's skew: it would never expire
+    assert set(book.live(NOW + 1)) == {B}  # a few seconds of skew are fine
+    book.merge({B: head(B, 3, updated=NOW + 5)}, NOW + 30)  # the same record, read again
+    assert B in book.live(NOW + 59)
+    assert B not in book.live(NOW + 61)  # first read at NOW: not republished for a TTL
+
+
+def test_a_departure_counts_only_from_a_peer_seen_live_and_near_its_last_version() -> None:
+    book = HeadBook(ME, ttl_s=60)
+    book.merge({C: head(C, 2**63 - 1, updated=0.0)}, NOW)  # never seen live: no end of run
+    assert book.departed_version == -1 and C not in book.live(NOW)
+    book.merge({A: head(A, 5, updated=NOW)}, NOW)
+    book.merge({A: head(A, 2**63 - 1, updated=0.0)}, NOW + 1)
+    assert book.departed_version == 6  # at most one version past its last live head
+
+
+def test_a_published_speed_counts_at_most_a_few_times_the_median() -> None:
+    fast = view(head(A, speed=1e300), head(B, speed=2.0), head(C, speed=1.0), version=0)
+    speeds = fast.speeds(1.5)
+    assert speeds[A] == SPEED_CAP * 1.5 and speeds[B] == 2.0 and speeds[ME] == 1.5
+    pair = view(head(A, speed=1e300), version=0).speeds(1.0)
+    assert pair == {A: SPEED_CAP, ME: 1.0}  # two peers: the slower one is the median
+    assert view(head(A, speed=0.0), version=0).speeds(None) == {}
 
 
 def test_in_flight_counts_add_fresh_running_plans_of_others_only() -> None:
@@ -83,10 +112,11 @@ def test_in_flight_counts_add_fresh_running_plans_of_others_only() -> None:
             C: head(C, 1, eta=NOW + 10, plan={"1": 100}),  # base older than the limit
             D: head(D, 5, eta=NOW + 10, plan={"3": 7, "9": 1000}, updated=NOW - 61),  # stale
             ME: head(ME, 5, eta=NOW + 10, plan={"0": 1000}),  # our own phase is not "other"
-        }
+        },
+        NOW,
     )
     assert book.in_flight([1, 2, 3, 4], now=NOW, oldest_version=2) == [41, 2, 11, 4]
-    book.merge({D: head(D, 5, eta=NOW + 10, plan={"3": 7, "9": 1000}, updated=NOW)})
+    book.merge({D: head(D, 5, eta=NOW + 10, plan={"3": 7, "9": 1000}, updated=NOW)}, NOW)
     # a shard the run does not have (a hostile or confused plan) is ignored
     assert book.in_flight([0, 0, 0, 0], now=NOW, oldest_version=2) == [40, 0, 8, 7]
 

@@ -48,7 +48,7 @@ def status_document(run: str, heads: Mapping[str, PeerHead], now: float) -> dict
     """The JSON document of `status --json`: the live peers (newest version first), the head
     version, forks (versions with more than one state hash) and bans (who bans whom, why)."""
     book = HeadBook(me="")
-    book.merge(heads)
+    book.merge(heads, now)
     live = book.live(now)  # peers that left (or went silent past the TTL) are not listed
     banned = {
         peer: {"by": list(b.by), "reasons": list(b.reasons)}

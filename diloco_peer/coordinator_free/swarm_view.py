@@ -13,6 +13,7 @@ the time, and acts on the answers. `SwarmPeer` and `diloco-peer status` use the 
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,12 @@ from diloco_peer.coordinator_free.records import PeerHead
 
 HEAD_TTL_S = 60.0
 """A head older than this is a peer that left; heartbeats refresh it every HEAD_TTL_S / 4."""
+MAX_CLOCK_SKEW_S = 30.0
+"""A head dated further than this ahead of our clock is ignored (it would never expire)."""
+SPEED_CAP = 4.0
+"""DyLU reads a published speed as at most this many times the median (low) one: one peer's
+claim of 1e300 steps/s must not cut everyone's phase to one step. Real speeds in the async
+paper's profile span 2.6x the median."""
 
 
 class HeadBook:
@@ -30,30 +37,45 @@ class HeadBook:
     published with `updated == 0` is a peer leaving (at its version). A peer a group formed
     without is `absent`: not waited for again until it publishes a newer head, so a dead peer
     costs at most one timed-out round (DESIGN §3).
+
+    A head's time is the publisher's word, so liveness also needs our own clock: a head is live
+    while both its date and the moment we first read it (`received`) are within the TTL; a
+    head dated more than MAX_CLOCK_SKEW_S ahead of us is ignored; a departure counts for
+    `departed_version` only from a peer we saw live, at most one version past its last head.
     """
 
     def __init__(self, me: str, ttl_s: float = HEAD_TTL_S) -> None:
         self.me, self.ttl_s = me, ttl_s
         self.seen: dict[str, PeerHead] = {}
+        self.received: dict[str, float] = {}
+        """Our clock when we first read each peer's current head."""
         self.absent: dict[str, float] = {}
         self.departed_version = -1
-        """The highest version a peer announced as it left (-1: none)."""
+        """The highest version a peer we saw live announced as it left (-1: none)."""
 
-    def merge(self, heads: Mapping[str, PeerHead]) -> None:
-        """Add one read's heads: newer heads replace older ones; a departure always wins."""
+    def merge(self, heads: Mapping[str, PeerHead], now: float) -> None:
+        """Add one read's heads (read at `now`, our clock): newer heads replace older ones; a
+        departure always wins; heads from the future are ignored."""
         for peer, head in heads.items():
-            if head.updated == 0.0 and peer != self.me:
-                self.departed_version = max(self.departed_version, head.version)
+            if head.updated > now + MAX_CLOCK_SKEW_S:
+                continue
             known = self.seen.get(peer)
-            if known is None or head.updated == 0.0 or head.updated >= known.updated:
+            if head.updated == 0.0 and peer != self.me and known is not None and known.updated:
+                plausible = min(head.version, known.version + 1)
+                self.departed_version = max(self.departed_version, plausible)
+            if known is None or head.updated == 0.0 or head.updated > known.updated:
                 self.seen[peer] = head
+                self.received[peer] = now
 
     def live(self, now: float) -> dict[str, PeerHead]:
-        """Heads refreshed within the TTL, except absent peers that published nothing since."""
+        """Heads published and read within the TTL, except absent peers that published nothing
+        since."""
         return {
             p: h
             for p, h in self.seen.items()
-            if now - h.updated < self.ttl_s and h.updated > self.absent.get(p, 0.0)
+            if now - h.updated < self.ttl_s
+            and now - self.received[p] < self.ttl_s
+            and min(h.updated, self.received[p]) > self.absent.get(p, -1.0)
         }
 
     def mark_absent(self, expected: Iterable[str], present: Collection[str], now: float) -> None:
@@ -69,7 +91,9 @@ class HeadBook:
         phase runs (`eta` set) and its base is within the staleness limit (`oldest_version`)."""
         out = list(counts)
         for p, h in self.seen.items():
-            if p == self.me or h.eta is None or not h.plan or h.updated <= now - self.ttl_s:
+            if p == self.me or h.eta is None or not h.plan:
+                continue
+            if h.updated <= now - self.ttl_s or self.received[p] <= now - self.ttl_s:
                 continue
             if h.version < oldest_version:
                 continue
@@ -177,10 +201,15 @@ class SwarmView:
         return max(etas) if etas else None
 
     def speeds(self, mine: float | None) -> dict[str, float]:
-        """Published inner-step speeds for DyLU (Eq. 6), ours included; unmeasured ones left out."""
+        """Published inner-step speeds for DyLU (Eq. 6), ours included; unmeasured ones left
+        out; none above SPEED_CAP x the median (low) one."""
         speeds = {p: h.speed for p, h in self.others().items()}
         speeds[self.me] = mine or 0.0
-        return {p: v for p, v in speeds.items() if v > 0}
+        measured = {p: v for p, v in speeds.items() if v > 0}
+        if not measured:
+            return {}
+        cap = SPEED_CAP * statistics.median_low(measured.values())
+        return {p: min(v, cap) for p, v in measured.items()}
 
     def unseen_steps(
         self,
