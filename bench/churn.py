@@ -97,9 +97,7 @@ class Churn:
     all: list[Incarnation] = dataclasses.field(default_factory=list)
     restarts: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
     crashes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    orphan_checks: list[tuple[float, int, dict[str, Any]]] = dataclasses.field(
-        default_factory=list
-    )
+    orphan_checks: list[tuple[float, int, dict[str, Any]]] = dataclasses.field(default_factory=list)
     partition: dict[str, Any] = dataclasses.field(default_factory=dict)
     hangs: list[str] = dataclasses.field(default_factory=list)
 
