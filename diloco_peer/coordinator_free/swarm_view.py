@@ -20,6 +20,9 @@ from diloco_peer.coordinator_free.records import PeerHead
 
 HEAD_TTL_S = 60.0
 """A head older than this is a peer that left; heartbeats refresh it every HEAD_TTL_S / 4."""
+FORGET_AFTER_TTLS = 2.0
+"""`HeadBook.forget` drops heads this many TTLs old: past one TTL a head is not live and its DHT
+record has expired, so only a new head of that peer can bring it back."""
 
 
 class HeadBook:
@@ -47,6 +50,14 @@ class HeadBook:
             known = self.seen.get(peer)
             if known is None or head.updated == 0.0 or head.updated >= known.updated:
                 self.seen[peer] = head
+
+    def forget(self, now: float) -> None:
+        """Drop the heads not refreshed for FORGET_AFTER_TTLS TTLs (departures at once), and
+        absence marks as old: the book holds the peers of the last minutes, not every peer
+        ever seen (churn, or keys that publish once, would grow it without bound)."""
+        cutoff = now - FORGET_AFTER_TTLS * self.ttl_s
+        self.seen = {p: h for p, h in self.seen.items() if h.updated > cutoff or p == self.me}
+        self.absent = {p: t for p, t in self.absent.items() if p in self.seen or t > cutoff}
 
     def live(self, now: float) -> dict[str, PeerHead]:
         """Heads refreshed within the TTL, except absent peers that published nothing since."""

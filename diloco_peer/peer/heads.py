@@ -124,6 +124,7 @@ class HeadChannel:
             log.warning("[%s round=%d] %s", self.me[-6:], self._replica.version, e)
             heads = {}
         self.book.merge(heads)
+        self.book.forget(time.time())
         c = self._counters
         if self._faults.hides_others(c.rounds_done, c.started_training):
             return {p: h for p, h in self.book.seen.items() if p == self.me}
