@@ -51,6 +51,9 @@ SECTION_BEGIN = "<!-- begin: bench/soak.py (rewritten by the bench) -->"
 SECTION_END = "<!-- end: bench/soak.py -->"
 NOTES_MARKER = "<!-- soak notes: kept when the bench rewrites this section -->"
 STATUS_TIMEOUT_S = 60.0
+JOIN_ARGS = ("--host", "127.0.0.1", "--quiet", "--threads", "1")
+STOP_GRACE_S = 60.0
+"""After SIGTERM, how long the peers get to checkpoint and leave before each session is killed."""
 WINDOW = 3
 """Samples whose median is the RSS after warm-up (the first ones) and at the end (the last)."""
 
@@ -78,8 +81,8 @@ class Soak:
 
     def run(self) -> None:
         a, folder = self.a, self.folder
-        join_args = ("--host", "127.0.0.1", "--quiet", "--threads", "1")
-        with LocalSwarm(folder, run="soak", join_args=join_args, stop_grace_s=20.0) as swarm:
+        peers = LocalSwarm(folder, run="soak", join_args=JOIN_ARGS, stop_grace_s=STOP_GRACE_S)
+        with peers as swarm:
             ckpt = lambda name: ("--checkpoint-dir", str(folder / f"{name}-ckpt"))  # noqa: E731
             founder, first = swarm.start(
                 self.names[0], "--model", a.model, "-H", str(a.inner_steps),
@@ -285,6 +288,7 @@ def main() -> int:
         raise KeyboardInterrupt  # leave the swarm's `with` block: it stops every peer
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)  # also when started with SIGINT ignored (`cmd &`)
     doc: dict[str, Any] = {"command": shlex.join(["python", *sys.argv])}
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         folder = a.folder or Path(tmp)
