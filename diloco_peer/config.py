@@ -271,8 +271,10 @@ class SwarmSettings:
     """Evaluate the held-out perplexity every this many versions (and when stopping); 0: only
     when stopping."""
     keep_updates: int = 16
-    """L: applied updates each peer keeps and serves, so a peer behind by at most L versions
-    replays them instead of downloading the full state."""
+    """L: at most this many applied updates each peer keeps and serves, so a peer behind by at
+    most L versions replays them instead of downloading the full state. Replay pays only while
+    the missed updates cost fewer bytes than the state, so a peer keeps no more than that
+    horizon plus one (Nesterov: 3; coordinator_free/update_log.py `log_capacity`)."""
     aggregation: AggregationName = "mean"
     """How each part reducer combines the members' δs: `mean`, or for open swarms the robust
     `trimmed-mean` (coordinate-wise) or `centered-clip` (averaging/robust.py)."""

@@ -157,3 +157,17 @@ def test_a_few_versions_behind_it_replays_first_when_cheaper_than_the_state() ->
         choice(["d1", "d2"])
     )
     assert [c[0] for c in downloads.calls] == ["multi"]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("blob_bytes", "replays"), [(64, False), (65, True)])
+def test_it_replays_only_while_the_missed_updates_cost_less_than_the_state(
+    blob_bytes: int, replays: bool
+) -> None:
+    # 4 missed versions of a 16-byte model: 64 bytes of updates, against the state's bytes
+    # (update_log.replay_horizon; the donors keep as many, update_log.log_capacity)
+    downloads = FakeDownloads(blob(WANT), {})
+    CatchUp(FakeReplica(blob_bytes=blob_bytes), downloads, me="me", keep_updates=16).run(  # type: ignore[arg-type]
+        choice(["d1"])
+    )
+    assert [c[0] for c in downloads.calls] == (["update", "single"] if replays else ["single"])

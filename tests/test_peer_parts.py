@@ -234,3 +234,78 @@ def test_signals_stop_pause_and_resume_the_peer() -> None:
         for s, handler in before.items():
             signal.signal(s, handler)
     assert peer.calls == ["pause", "resume", "stop", "stop"]
+
+
+class FromDonor:
+    """Catch-up's downloads, answered by another replica in this process."""
+
+    def __init__(self, donor: object) -> None:
+        self.donor = donor
+        self.calls: list[str] = []
+
+    def update(self, donor: str, base_version: int) -> bytes:
+        from diloco_peer.coordinator_free.state_transfer import StateTransferFailed
+        from diloco_peer.errors import TransferFailure
+
+        self.calls.append("update")
+        data = self.donor.updates.get(base_version)  # type: ignore[attr-defined]
+        if data is None:
+            raise StateTransferFailed("no such update", kind=TransferFailure.REFUSED)
+        return data
+
+    def state(self, donor: str):  # noqa: ANN201
+        self.calls.append("state")
+        return self.donor.blob  # type: ignore[attr-defined]
+
+    state_multi = state
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_keeps_only_the_updates_a_replay_can_ask_for() -> None:
+    """Nesterov's state is θ and its momentum: a peer 2 versions behind replays (also from a
+    donor that committed once more meanwhile), one 3 behind downloads the state. So the log
+    holds 3 updates, not L = 16, and its bytes stay flat however long the run."""
+    from diloco_peer.averaging.outer import build_outer_optimizer
+    from diloco_peer.averaging.state import ReplicatedState
+    from diloco_peer.coordinator_free.swarm_view import HeadChoice
+    from diloco_peer.coordinator_free.update_log import UpdateLog
+    from diloco_peer.peer.catch_up import CatchUp
+    from diloco_peer.peer.replica import Replica
+
+    shapes = [(64, 64), (64,)]  # 16.6 kB per update, well above the state's header
+
+    def replica() -> Replica:
+        theta = [torch.full(s, 0.5) for s in shapes]
+        outer = build_outer_optimizer("nesterov", lr=0.7, momentum=0.9)
+        r = Replica(ReplicatedState(theta, outer, num_shards=2, manifest_digest="m" * 64),
+                    UpdateLog(16))  # fmt: skip
+        r.snapshot()
+        return r
+
+    def commit(r: Replica, version: int) -> None:
+        r.commit([torch.full(s, 0.01 * (version + 1)) for s in shapes], ["A"], {0: 8})
+
+    donor, two_behind, three_behind = replica(), replica(), replica()
+    assert donor.updates.capacity == 2  # version 0 holds θ alone: replay horizon 1
+    sizes = []
+    for v in range(20):  # the same updates on all three, until each stops
+        commit(donor, v)
+        sizes.append(donor.updates.nbytes())
+        assert donor.updates.capacity == 3 and len(donor.updates) == min(v + 1, 3)
+        if v < 18:
+            commit(two_behind, v)
+        if v < 17:
+            commit(three_behind, v)
+    assert len(set(sizes[2:])) == 1  # flat
+    assert (donor.version, two_behind.version, three_behind.version) == (20, 18, 17)
+    choice = HeadChoice(20, donor.published_hash, ("A",), lost_fork=False)
+    downloads = FromDonor(donor)
+    moved = CatchUp(three_behind, downloads, me="C", keep_updates=16).run(choice)
+    assert moved is not None and moved.method == "download" and downloads.calls == ["state"]
+    assert three_behind.published_hash == choice.state_hash
+    commit(donor, 20)  # the donor moves on between our reading its head and the replay
+    assert (donor.updates.oldest(), donor.updates.newest()) == (18, 20)
+    downloads = FromDonor(donor)
+    moved = CatchUp(two_behind, downloads, me="B", keep_updates=16).run(choice)
+    assert moved is not None and moved.method == "replay" and downloads.calls == ["update"] * 2
+    assert two_behind.published_hash == choice.state_hash and two_behind.version == 20

@@ -102,6 +102,26 @@ def test_a_published_speed_counts_at_most_a_few_times_the_median() -> None:
     assert view(head(A, speed=0.0), version=0).speeds(None) == {}
 
 
+def test_the_book_forgets_heads_two_ttls_old_and_their_absence_marks() -> None:
+    book = HeadBook(ME, ttl_s=60)
+    book.merge({C: head(C, 3, updated=NOW - 5)}, NOW - 5)
+    book.merge({ME: head(ME, updated=NOW - 1000), A: head(A, updated=NOW - 119),
+                B: head(B, updated=NOW - 121), C: head(C, 4, updated=0.0)}, NOW)  # fmt: skip
+    book.mark_absent([A, B], present=[ME], now=NOW - 100)
+    book.absent["gone"] = NOW - 130  # a peer whose head is long forgotten
+    book.forget(NOW)
+    assert set(book.seen) == {ME, A}  # ours stays; C left (its version is remembered)
+    # marks go with their head, or when as old as a forgotten head
+    assert book.absent == {A: NOW - 100, B: NOW - 100} and book.departed_version == 4
+    book.forget(NOW + 21)
+    assert set(book.seen) == {ME} and book.absent == {}
+    for i in range(1000):  # keys that publish once do not grow the book
+        peer = "Peer" + "".join("abcdefghij"[int(d)] for d in str(i))  # base58
+        book.merge({peer: head(peer, updated=NOW + i)}, NOW + i)
+        book.forget(NOW + i)
+    assert len(book.seen) <= 2 * 60 + 2
+
+
 def test_in_flight_counts_add_fresh_running_plans_of_others_only() -> None:
     book = HeadBook(ME, ttl_s=60)
     plan = {"0": 40, "2": 8}

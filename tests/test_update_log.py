@@ -18,9 +18,12 @@ from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.coordinator_free.update_log import (
     FORMAT,
+    REPLAY_SLACK,
     UpdateLog,
     UpdateRecord,
+    log_capacity,
     peek_update,
+    replay_horizon,
 )
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -298,6 +301,59 @@ def test_log_keeps_the_last_capacity_records() -> None:
             UpdateLog(capacity=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         log.append(records[0].to_bytes())  # type: ignore[arg-type]
+
+
+def test_replay_pays_while_the_missed_updates_cost_less_than_the_state() -> None:
+    model = 1000  # θ's bytes; a state is θ, k outer buffers and a header of a few hundred bytes
+    assert replay_horizon(model, model + 300) == 1  # SGD, or any state before the first step
+    assert replay_horizon(model, 2 * model + 300) == 2  # Nesterov: θ and the momentum
+    assert replay_horizon(model, 3 * model + 300) == 3  # Adam, Delayed Nesterov: two buffers
+    assert replay_horizon(model, 2 * model) == 1  # n × update < state, strictly
+    assert replay_horizon(model, 2 * model + 1) == 2
+    assert replay_horizon(0, 5000) == replay_horizon(model, 0) == 0  # unknown: never replay
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError):
+            replay_horizon(bad, 5000)  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            replay_horizon(model, bad)  # type: ignore[arg-type]
+
+
+def test_the_log_keeps_the_horizon_plus_the_slack_never_more_than_l() -> None:
+    model = 1000
+    assert REPLAY_SLACK == 1
+    nesterov = 2 * model + 300
+    assert log_capacity(16, model, nesterov) == 2 + REPLAY_SLACK  # was 16
+    assert log_capacity(16, model, 3 * model + 300) == 3 + REPLAY_SLACK
+    assert log_capacity(16, model, model + 300) == 1 + REPLAY_SLACK  # version 0: θ alone
+    assert log_capacity(2, model, nesterov) == 2  # L bounds it
+    assert log_capacity(1, model, nesterov) == 1
+    assert log_capacity(0, model, nesterov) == 0  # L = 0: no replay at all
+    assert log_capacity(16, model, 0) == 0  # no state yet: replay never pays
+    assert log_capacity(16, 4, 10**6) == 16  # a tiny model in a big header: L
+    with pytest.raises(ValueError):
+        log_capacity(-1, model, nesterov)
+
+
+@pytest.mark.timeout(10)
+def test_fit_shrinks_the_log_to_what_replay_can_use_and_its_bytes_stay_flat() -> None:
+    log = UpdateLog(capacity=16)
+    records = chain(40)
+    for record in records[:10]:
+        log.append(record)
+    assert (len(log), log.limit, log.capacity) == (10, 16, 16)
+    model = 1000  # θ's bytes, as the replica says (the records' own size does not matter)
+    assert log.fit(model, 2 * model + 300) == 3  # Nesterov's state: keep 2 + slack
+    assert (log.oldest(), log.newest(), log.capacity) == (7, 9, 3)
+    sizes = []
+    for record in records[10:]:
+        log.append(record)
+        sizes.append(log.nbytes())
+    assert (len(log), log.oldest(), log.newest()) == (3, 37, 39)
+    assert len(set(sizes)) == 1 and sizes[0] == sum(len(log.get(v) or b"") for v in (37, 38, 39))
+    assert log.fit(model, 10**9) == 16  # never past L, however big the state
+    assert log.fit(model, 0) == 0 and len(log) == 0 and log.nbytes() == 0
+    log.append(records[0])
+    assert len(log) == 0
 
 
 @pytest.mark.timeout(10)

@@ -27,6 +27,9 @@ SPEED_CAP = 4.0
 """DyLU reads a published speed as at most this many times the median (low) one: one peer's
 claim of 1e300 steps/s must not cut everyone's phase to one step. Real speeds in the async
 paper's profile span 2.6x the median."""
+FORGET_AFTER_TTLS = 2.0
+"""`HeadBook.forget` drops heads this many TTLs old: past one TTL a head is not live and its DHT
+record has expired, so only a new head of that peer can bring it back."""
 
 
 class HeadBook:
@@ -66,6 +69,19 @@ class HeadBook:
             if known is None or head.updated == 0.0 or head.updated > known.updated:
                 self.seen[peer] = head
                 self.received[peer] = now
+
+    def forget(self, now: float) -> None:
+        """Drop the heads not refreshed for FORGET_AFTER_TTLS TTLs (departures at once), and
+        absence marks as old: the book holds the peers of the last minutes, not every peer
+        ever seen (churn, or keys that publish once, would grow it without bound)."""
+        cutoff = now - FORGET_AFTER_TTLS * self.ttl_s
+        self.seen = {
+            p: h
+            for p, h in self.seen.items()
+            if min(h.updated, self.received[p]) > cutoff or p == self.me
+        }
+        self.received = {p: t for p, t in self.received.items() if p in self.seen}
+        self.absent = {p: t for p, t in self.absent.items() if p in self.seen or t > cutoff}
 
     def live(self, now: float) -> dict[str, PeerHead]:
         """Heads published and read within the TTL, except absent peers that published nothing

@@ -13,6 +13,11 @@ Each download is one model-sized tensor set, instead of the full state with its 
 buffers. A record's hashes are what its donor claims; the replay above checks them, and the
 final hash must equal what the head peers advertise in their signed DHT records.
 
+Replay pays only while the missed updates cost fewer bytes than the state (`replay_horizon`):
+θ plus k outer buffers makes k + 1 versions at most (Nesterov: 2), whatever L is. A peer keeps
+just the updates such a replay asks it for (`log_capacity`): L = 16 records of a 150M-parameter
+model would hold ~7.8 GB of RAM that no replay could use.
+
 Wire format (safetensors, never pickle, DESIGN.md §4): the tensors `avg.0` .. `avg.{n-1}` (fp32,
 one per parameter, in θ's order) and string metadata `format` (= FORMAT), `base_version`,
 `count` (decimal), `base_hash`, `result_hash` (lowercase hex), `shard_samples` (JSON list of
@@ -319,6 +324,38 @@ def _read_metadata(metadata: dict[str, str]) -> dict[str, Any]:
     }
 
 
+REPLAY_SLACK = 1
+"""Versions a donor may commit between a replayer's reading of its head and the replay's
+requests: the updates asked for then end one version below the donor's newest."""
+
+
+def replay_horizon(update_bytes: int, state_bytes: int) -> int:
+    """The most missed versions a peer replays instead of downloading the full state.
+
+    Replaying n versions downloads n updates of `update_bytes` (θ's fp32 size) each, so it pays
+    while n × update_bytes < state_bytes. A state of θ and k outer buffers (Nesterov: k = 1;
+    Adam, Delayed Nesterov: k = 2) plus its header gives k + 1; 0 when either size is unknown.
+    """
+    _int_in("update_bytes", update_bytes, 0)
+    _int_in("state_bytes", state_bytes, 0)
+    if update_bytes == 0 or state_bytes == 0:
+        return 0
+    return (state_bytes - 1) // update_bytes
+
+
+def log_capacity(keep_updates: int, update_bytes: int, state_bytes: int) -> int:
+    """How many applied updates a peer keeps: every one a replay could ask it for.
+
+    A replayer behind by at most `min(L, replay_horizon)` versions asks for that many updates,
+    ending at most REPLAY_SLACK versions below the donor's newest; older records would only
+    take memory (one model-sized record each). Never more than the run's L (`keep_updates`);
+    none when replay never pays.
+    """
+    _int_in("keep_updates", keep_updates, 0)
+    horizon = min(keep_updates, replay_horizon(update_bytes, state_bytes))
+    return 0 if horizon == 0 else min(keep_updates, horizon + REPLAY_SLACK)
+
+
 class UpdateLog:
     """The last `capacity` applied updates as serialised records, keyed by base version.
 
@@ -330,14 +367,36 @@ class UpdateLog:
     """
 
     def __init__(self, capacity: int = 16) -> None:
-        self._capacity = _int_in("capacity", capacity, 0)
+        self.limit = _int_in("capacity", capacity, 0)
+        """L, the run's bound (`SwarmSettings.keep_updates`): `fit` never keeps more."""
+        self._capacity = self.limit
         self._lock = threading.Lock()
         self._records: dict[int, bytes] = {}  # insertion order = version order
         self._head_hash: str | None = None  # result_hash of the newest record
 
     @property
     def capacity(self) -> int:
+        """Records kept at most now: L until `fit` sizes the log to what replay can use."""
         return self._capacity
+
+    def fit(self, update_bytes: int, state_bytes: int) -> int:
+        """Keep only what a replay can ask for (`log_capacity`), given θ's size and the
+        serialised state's (both change only when the outer buffers appear, after the first
+        step); the oldest records go first. Returns the new capacity."""
+        capacity = log_capacity(self.limit, update_bytes, state_bytes)
+        with self._lock:
+            self._capacity = capacity
+            self._evict()
+        return capacity
+
+    def _evict(self) -> None:
+        while len(self._records) > self._capacity:
+            del self._records[next(iter(self._records))]
+
+    def nbytes(self) -> int:
+        """Bytes of the records kept (what the log costs in memory)."""
+        with self._lock:
+            return sum(len(data) for data in self._records.values())
 
     def append(self, record: UpdateRecord) -> None:
         """Keep `record` (serialised once, now) as the newest update, evicting the oldest."""
@@ -354,8 +413,7 @@ class UpdateLog:
                 self._records.clear()
             self._records[record.base_version] = data
             self._head_hash = record.result_hash
-            while len(self._records) > self._capacity:
-                del self._records[next(iter(self._records))]
+            self._evict()
 
     def get(self, base_version: int) -> bytes | None:
         """The serialised record that applies to `base_version`, or None if not kept."""
@@ -382,4 +440,12 @@ class UpdateLog:
             return len(self._records)
 
 
-__all__ = ["FORMAT", "UpdateLog", "UpdateRecord", "peek_update"]
+__all__ = [
+    "FORMAT",
+    "REPLAY_SLACK",
+    "UpdateLog",
+    "UpdateRecord",
+    "log_capacity",
+    "peek_update",
+    "replay_horizon",
+]

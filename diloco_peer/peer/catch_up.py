@@ -26,7 +26,7 @@ from diloco_peer.coordinator_free.state_transfer import (
     download_update,
 )
 from diloco_peer.coordinator_free.swarm_view import HeadChoice
-from diloco_peer.coordinator_free.update_log import UpdateRecord
+from diloco_peer.coordinator_free.update_log import UpdateRecord, replay_horizon
 from diloco_peer.errors import ConfigError
 from diloco_peer.p2p.service import P2PService
 from diloco_peer.peer.replica import Replica
@@ -114,8 +114,9 @@ class CatchUp:
         model_bytes = 4 * sum(t.numel() for t in state.theta)
         blob = self.replica.blob
         full_bytes = len(blob.data) if blob is not None else 0
+        horizon = min(self.keep_updates, replay_horizon(model_bytes, full_bytes))
         moved: tuple[str, str, int] | None = None  # method, donor, bytes
-        if 0 < missed <= self.keep_updates and missed * model_bytes < full_bytes:
+        if 0 < missed <= horizon:  # the donors keep these (update_log.log_capacity)
             for donor in donors[:REPLAY_DONORS]:
                 outcome, nbytes = self._replay(donor, choice.version, choice.state_hash)
                 if outcome is Replay.DONE:

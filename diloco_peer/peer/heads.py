@@ -123,7 +123,9 @@ class HeadChannel:
         except records.SwarmTimeout as e:
             log.warning("[%s round=%d] %s", self.me[-6:], self._replica.version, e)
             heads = {}
-        self.book.merge(heads, time.time())
+        now = time.time()
+        self.book.merge(heads, now)
+        self.book.forget(now)
         c = self._counters
         if self._faults.hides_others(c.rounds_done, c.started_training):
             return {p: h for p, h in self.book.seen.items() if p == self.me}

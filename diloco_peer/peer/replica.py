@@ -39,9 +39,15 @@ class Replica:
     # ----- the published snapshot
 
     def snapshot(self) -> None:
-        """Cache the serialised state the state server hands out (immutable bytes)."""
+        """Cache the serialised state the state server hands out (immutable bytes), and size
+        the update log to what a replay can ask for against a state of that size."""
         data = st_save(self.state.tensors(), metadata=self.state.metadata())
         self.blob = StateBlob(version=self.state.version, state_hash=self.state.hash(), data=data)
+        self.updates.fit(self.update_bytes(), len(data))
+
+    def update_bytes(self) -> int:
+        """θ's size in fp32: what one replayed update downloads (its tensors)."""
+        return 4 * sum(t.numel() for t in self.state.theta)
 
     @property
     def version(self) -> int:
