@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -64,6 +65,10 @@ def _positive(name: str, value: float) -> None:
 def _non_negative(name: str, value: float) -> None:
     if not value >= 0:
         raise ConfigError(f"{name} must be >= 0, got {value}")
+
+
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")
+"""A base58 peer id, as `diloco-peer keygen` prints it."""
 
 
 def _checked_fields(cls: type, data: Any, what: str, not_a_dict: str) -> dict[str, Any]:
@@ -401,6 +406,10 @@ class PeerSpec:
     allowlist: str | None = None
     """Private swarm: the run owner's signed allowlist (`diloco-peer allow`). Only listed keys
     are admitted to groups, have their DHT records accepted and may download the state."""
+    owner: str | None = None
+    """Joining: the run owner's peer id (the founder prints it). Manifests other keys publish
+    under the run's name are ignored. None: the allowlist's signer, the owner in this peer's
+    checkpoint, or the owner among the --swarm peers."""
     client_mode: bool = False
     """This machine cannot be dialed (a NAT or firewall refuses inbound connections): dial out
     only. The peer trains and contributes to groups, but leads none, reduces no part and serves
@@ -409,6 +418,8 @@ class PeerSpec:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if self.owner is not None and not _PEER_ID.fullmatch(self.owner):
+            raise ConfigError(f"--owner must be a peer id (base58, Qm...), got {self.owner!r}")
         if self.client_mode and self.announce:
             raise ConfigError("--client-mode: nobody dials this peer, so --announce has no use")
         if self.micro_batch_size < -1:

@@ -131,7 +131,8 @@ def main() -> None:
     """The watcher: read what to watch until EOF (the peer is gone), then clean up."""
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # only the peer's death, or a plain kill, ends it
-    logging.basicConfig(level=logging.INFO, format="lifeline: %(message)s")
+    # quiet: its stderr is the peer's, whose last line (an error, a summary) must stay last
+    logging.basicConfig(level=logging.WARNING, format="lifeline: %(message)s")
     procfs.remove(procfs.stale_sockets())
     sweep_folders(Path(tempfile.gettempdir()))
     groups: dict[int, int] = {}
@@ -145,12 +146,10 @@ def main() -> None:
                     groups[pgid] = start
             case ["path", rest]:
                 paths.append(Path(rest.strip()))
-    ended = end_groups(groups)
+    end_groups(groups)
     for path in paths:
         remove_path(path)
     procfs.remove(procfs.stale_sockets())
-    if ended:
-        logging.getLogger("lifeline").info("ended %d process(es) the peer left behind", ended)
 
 
 def group_members(pgid: int) -> list[int]:

@@ -38,6 +38,7 @@ from diloco_peer.coordinator_free.records import (
     PeerHead,
     RecordError,
     SwarmTimeout,
+    choose_manifest,
     fetch_manifest,
     owner_subkey,
     publish_head,
@@ -703,6 +704,22 @@ def test_manifests_of_two_owners_need_a_pinned_owner(swarm: Swarm) -> None:
     assert fetch_manifest(c, run, timeout_s=10, owner=id_b.peer_id_str) == rival
     with pytest.raises(ManifestError, match="signed by QmNope"):
         fetch_manifest(c, run, timeout_s=10, owner="QmNope")
+    # the owner among the peers a joiner was told to dial wins; the rival's copy is ignored
+    assert fetch_manifest(c, run, timeout_s=10, prefer=["QmNope", id_a.peer_id_str]) == real
+
+
+def test_the_pinned_owner_chooses_and_other_owners_are_ignored() -> None:
+    owner, rival = Identity.generate(), Identity.generate()
+    real = Manifest.create(RUN, RunSpec(), SwarmSettings(), owner)
+    fake = Manifest.create(RUN, RunSpec(seed=7), SwarmSettings(), rival)
+    pin = owner.peer_id_str
+    assert choose_manifest(RUN, [fake, real], owner=pin) == real
+    assert choose_manifest(RUN, [fake, real], prefer=[rival.peer_id_str]) == fake
+    assert choose_manifest(RUN, [real], prefer=[rival.peer_id_str]) == real  # one owner: taken
+    with pytest.raises(ManifestError, match="pass --owner"):
+        choose_manifest(RUN, [fake, real])
+    with pytest.raises(ManifestError, match=f"signed by {pin}.*1 invalid copy ignored: bad"):
+        choose_manifest(RUN, [fake], ["bad"], owner=pin)
 
 
 @pytest.mark.multipeer

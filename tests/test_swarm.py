@@ -85,6 +85,7 @@ def test_bad_join_input_is_one_line_and_exit_2(tmp_path: Path, swarm: LocalSwarm
         ["--swarm", "/ip4/127.0.0.1/tcp/9/p2p/QmXjYsP9S8HxT5ZhGBXgoT2xpCs8cgaR4cvxcYXEqqv3Md"],
         ["--checkpoint-dir", str(tmp_path / "file" / "sub")],
         ["--client-mode"],  # founding: the founder must accept connections
+        ["--owner", "not/a/peer/id"],
         [
             "--client-mode",
             "--announce",

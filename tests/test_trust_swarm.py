@@ -158,3 +158,45 @@ def test_a_peer_checkpoint_with_a_flipped_byte_is_refused_and_kept(tmp_path: Pat
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert "corrupt" in out.stderr or "unreadable" in out.stderr, out.stderr
         assert path.read_bytes() == bytes(bad)  # nothing overwritten
+
+
+_RIVAL = """
+import sys, time
+from hivemind.dht import DHT
+from diloco_peer.config import RunSpec, SwarmSettings
+from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free.manifest import Manifest
+from diloco_peer.identity import Identity
+
+rival = Identity.generate()
+dht = DHT(start=True, initial_peers=[sys.argv[1]], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+          record_validators=records.record_validators(rival, "t"))
+fake = Manifest.create("t", RunSpec(model="nano", seed=666), SwarmSettings(), rival)
+assert records.publish_manifest(dht, rival, fake, expiration_s=600, timeout_s=30)
+print(rival.peer_id_str, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(240)
+def test_a_rival_manifest_under_the_run_name_locks_nobody_out(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
+    """Any key may publish a manifest under a run's name (issue 16, item 6): a joiner told the
+    founder's address, or given `--owner`, follows the owner's and ignores the rival's."""
+    a, log_a = swarm.start("a", "--model", "nano", "--inner-steps", "10")
+    start = swarm.wait_event(log_a, "start", 90, proc=a)
+    maddr = start["maddrs"][0]
+    rival = subprocess.Popen([*PEER_COMMAND[:1], "-c", _RIVAL, maddr], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)  # fmt: skip
+    swarm.procs.append(rival)  # stopped with the swarm
+    assert rival.stdout is not None and rival.stdout.readline().startswith("Qm")
+    b, log_b = swarm.start("b", "--swarm", maddr, "--max-rounds", "1")
+    c, log_c = swarm.start("c", "--swarm", maddr, "--owner", start["peer"], "--max-rounds", "1")
+    assert b.wait(timeout=150) == 0, (tmp_path / "b.err").read_text()[-1500:]
+    assert c.wait(timeout=60) == 0, (tmp_path / "c.err").read_text()[-1500:]
+    for log in (log_b, log_c):
+        assert (
+            next(e for e in read_log(log) if e["event"] == "start")["manifest"] == start["manifest"]
+        )

@@ -86,6 +86,9 @@ def join(
     allowlist: Path | None = typer.Option(
         None, help="Private swarm: the owner's signed allowlist (`diloco-peer allow`)."
     ),
+    owner: str | None = typer.Option(
+        None, help="Joining: the run owner's peer id (in the line the founder prints)."
+    ),
     chaos: str | None = typer.Option(None, hidden=True, help="Test only: misbehave (chaos.py)."),
     fault: list[str] = typer.Option([], hidden=True, help="Test only: NAME=N (faults.py)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
@@ -103,7 +106,7 @@ def join(
         log_json=_text(log_json), data=data, threads=threads, shard=shard, throttle=throttle,
         record_updates=_text(record_updates), max_hours=max_hours, metrics_port=metrics_port,
         metrics_host=metrics_host, tensorboard=_text(tensorboard), client_mode=client_mode,
-        gpu_memory_fraction=gpu_memory_fraction, allowlist=_text(allowlist),
+        gpu_memory_fraction=gpu_memory_fraction, allowlist=_text(allowlist), owner=owner,
     )  # fmt: skip
     founding = _founding(spec, config, model, inner_steps, protocol, expected_peers)
     _train(spec, founding, (fault, chaos), quiet)
@@ -196,7 +199,9 @@ def _train(
     try:
         peer.start()
         addrs = " ".join(f"--swarm {m}" for m in peer.visible_maddrs())
-        _out.print(f"swarm address (pass to others): diloco-peer join {addrs}", soft_wrap=True)
+        pin = f"--run {spec.run_name} --owner {peer.signed.owner_peer_id}"
+        _out.print(f"swarm address (pass to others): diloco-peer join {addrs} {pin}",
+                   soft_wrap=True)  # fmt: skip
         sys.stdout.flush()
         with progress:
             peer.run_loop()

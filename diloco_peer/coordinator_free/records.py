@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -397,12 +397,19 @@ def publish_manifest(
 
 
 def fetch_manifest(
-    dht: DHT, run: str, *, timeout_s: float, owner: str | None = None
+    dht: DHT,
+    run: str,
+    *,
+    timeout_s: float,
+    owner: str | None = None,
+    prefer: Sequence[str] = (),
 ) -> SignedManifest:
     """The run's manifest from the swarm, verified; ManifestError if none valid is found.
 
-    `owner` (a base58 peer id) pins the run owner; without it, copies signed by different owners
-    are an error rather than a guess. Among one owner's manifests the newest wins.
+    Anyone may publish a manifest under a run's name, so the owner decides (`choose_manifest`):
+    `owner` (a base58 peer id) pins it and every other owner's copies are ignored; without a pin,
+    one owner is taken as is, and among several the first of `prefer` (the peers this one was
+    told to dial) that owns one. Among one owner's manifests the newest wins.
     """
     found = _wait(
         dht.get(manifest_key(run), latest=True, return_future=True),
@@ -414,23 +421,35 @@ def fetch_manifest(
     rejected: list[str] = []
     for entry in entries.values():
         try:
-            signed = SignedManifest.from_bytes(entry.value, expected_run=run)
+            valid.append(SignedManifest.from_bytes(entry.value, expected_run=run))
         except ManifestError as e:
             rejected.append(str(e))
-            continue
-        if owner is None or signed.owner_peer_id == owner:
-            valid.append(signed)
-    if not valid:
+    return choose_manifest(run, valid, rejected, owner=owner, prefer=prefer)
+
+
+def choose_manifest(
+    run: str,
+    valid: Sequence[SignedManifest],
+    rejected: Sequence[str] = (),
+    *,
+    owner: str | None = None,
+    prefer: Sequence[str] = (),
+) -> SignedManifest:
+    """The manifest to follow among verified copies (see `fetch_manifest`)."""
+    if owner is None:
+        owners = {m.owner_peer_id for m in valid}
+        owner = next((p for p in prefer if p in owners), None)
+        if owner is None and len(owners) > 1:
+            raise ManifestError(
+                f"run {run} has manifests from {len(owners)} different owners "
+                f"({', '.join(sorted(owners))}); pass --owner with the run owner's peer id"
+            )
+    mine = [m for m in valid if owner is None or m.owner_peer_id == owner]
+    if not mine:
         message = f"no manifest for run {run} found in the swarm"
         if owner is not None:
             message = f"no manifest for run {run} signed by {owner} found in the swarm"
         if rejected:
             message += f" ({len(rejected)} invalid cop{'y' if len(rejected) == 1 else 'ies'} ignored: {rejected[0]})"
         raise ManifestError(message)
-    owners = sorted({m.owner_peer_id for m in valid})
-    if len(owners) > 1:
-        raise ManifestError(
-            f"run {run} has manifests from {len(owners)} different owners ({', '.join(owners)}); "
-            "name the owner's peer id to choose one"
-        )
-    return max(valid, key=lambda m: (m.manifest.created, m.digest))
+    return max(mine, key=lambda m: (m.manifest.created, m.digest))

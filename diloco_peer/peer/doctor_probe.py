@@ -92,7 +92,7 @@ def _measure(
         slack = HEARTBEAT_S + (now - read_started)
         m["heads_offset_s"] = heads_offset((h.updated for h in heads.values()), now, slack)
     progress("fetching the run manifest")
-    m["manifest"] = _fetch_manifest(dht, run, left)
+    m["manifest"] = _fetch_manifest(dht, run, left, swarm)
 
     progress("pinging swarm peers (clock, dial-back)")
     offsets, m["validated"] = [], {}
@@ -114,9 +114,12 @@ def _measure(
                                    m["dial_wait_s"] + 5)  # fmt: skip
 
 
-def _fetch_manifest(dht: DHT, run: str, left: Callable[[float], float]) -> dict[str, Any]:
+def _fetch_manifest(
+    dht: DHT, run: str, left: Callable[[float], float], swarm: Sequence[str]
+) -> dict[str, Any]:
     try:
-        signed = records.fetch_manifest(dht, run, timeout_s=left(10))
+        peers = [Multiaddr(a).value_for_protocol("p2p") for a in swarm]
+        signed = records.fetch_manifest(dht, run, timeout_s=left(10), prefer=peers)
     except SwarmTimeout as e:
         return {"error": str(e), "copies": 0}
     except ManifestError as e:

@@ -148,17 +148,33 @@ def agree_on_manifest(
     run_name: str,
     founding: tuple[RunSpec, SwarmSettings] | None,
     stored: SignedManifest | None,
+    *,
+    owner: str | None = None,
+    swarm: Sequence[str] = (),
 ) -> SignedManifest:
     """The founder publishes the run's manifest (a restarted founder keeps the one its
-    checkpoint holds); a joiner fetches and verifies it."""
+    checkpoint holds); a joiner fetches and verifies the run owner's. The owner is `owner`
+    (`--owner` or the allowlist's signer), else the one in this peer's checkpoint, else the
+    one among the peers of the `swarm` addresses (`records.choose_manifest`)."""
     if founding is None:
-        return records.fetch_manifest(dht, run_name, timeout_s=DHT_TIMEOUT_S)
+        pinned = owner or (stored.owner_peer_id if stored is not None else None)
+        return records.fetch_manifest(dht, run_name, timeout_s=DHT_TIMEOUT_S, owner=pinned,
+                                      prefer=address_peers(swarm))  # fmt: skip
     run, swarm = founding
     signed = stored or Manifest.create(run_name, run, swarm, identity)
     records.publish_manifest(
         dht, identity, signed, expiration_s=HEAD_TTL_S * 10, timeout_s=DHT_TIMEOUT_S
     )
     return signed
+
+
+def address_peers(addresses: Sequence[str]) -> list[str]:
+    """The peer ids in multiaddrs (`/p2p/ID`), in order; addresses without one are skipped."""
+    out = []
+    for text in addresses:
+        with contextlib.suppress(Exception):  # an address without a /p2p part
+            out.append(Multiaddr(text).value_for_protocol("p2p"))
+    return out
 
 
 def probe_reachability(
@@ -171,7 +187,7 @@ def probe_reachability(
         with contextlib.suppress(Exception):  # an address without a TCP port
             port = int(maddr.value_for_protocol("tcp"))
             break
-    servers = list(dict.fromkeys(Multiaddr(a).value_for_protocol("p2p") for a in swarm))
+    servers = list(dict.fromkeys(address_peers(swarm)))
     verdict = reachability.Verdict("unknown", "no port or no swarm peer to ask")
     if port and servers:
         try:

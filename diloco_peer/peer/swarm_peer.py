@@ -153,6 +153,9 @@ class SwarmPeer:
 
     def start(self) -> None:
         """Join or found the swarm, agree on the manifest, build everything the loop needs."""
+        ckpt = peer_checkpoint.checkpoint_path(self.spec.checkpoint_dir, self.spec.run_name)
+        if ckpt is not None and not ckpt.exists():  # bad input fails before the network starts
+            peer_checkpoint.check_writable(ckpt, self.peer_id)
         self.lifeline = start_lifeline(self.identity.to_bytes(), Path(self._tmp.name),
                                        self.peer_id[-6:])  # fmt: skip
         key_path = Path(self._tmp.name) / "identity.key"
@@ -168,11 +171,10 @@ class SwarmPeer:
         self.node = open_node(self.spec, key_path, validators, port=self.spec.port,
                               client_mode=self.spec.client_mode or probing,
                               lifeline=self.lifeline)  # fmt: skip
-        ckpt = peer_checkpoint.checkpoint_path(self.spec.checkpoint_dir, self.spec.run_name)
         stored = peer_checkpoint.stored_manifest(ckpt, self.spec.run_name)
-        self.signed = agree_on_manifest(
-            self.node.dht, self.identity, self.spec.run_name, self.founding, stored
-        )
+        owner = self.spec.owner or (allowlist.owner_peer_id if allowlist else None)
+        self.signed = agree_on_manifest(self.node.dht, self.identity, self.spec.run_name,
+                                        self.founding, stored, owner=owner, swarm=self.spec.swarm)  # fmt: skip
         self.run, self.swarm = self.signed.manifest.run, self.signed.manifest.swarm
         self._allowed = allowed_by(allowlist, self.signed.owner_peer_id)
         self._build()
@@ -252,8 +254,7 @@ class SwarmPeer:
         if path is None:
             return
         if not path.exists():
-            peer_checkpoint.check_writable(path, self.peer_id)
-            return
+            return  # checked writable in start()
         resumed = peer_checkpoint.load(path, self._checkpoint_parts())
         self.counters.rounds_done = resumed.rounds_done
         if resumed.pending is not None:
