@@ -53,6 +53,38 @@ class NoGroup(DilocoError):
     down. Nothing was exchanged; a lone peer may apply its own δ (DESIGN.md §3, k = 1)."""
 
 
+class CommitRefusal(IntEnum):
+    """Why a group's leader did not count a member that acknowledged its group (commit.py)."""
+
+    MALFORMED = 1
+    """The acknowledgement is not one of this protocol version."""
+    UNKNOWN_GROUP = 2
+    """The leader has no group with that digest (it never opened it, or forgot it long ago)."""
+    NOT_A_MEMBER = 3
+    """The sender is not a follower of that group."""
+    DUPLICATE = 4
+    """The sender's acknowledgement is already in, on another stream."""
+    TOO_LATE = 5
+    """The group was committed without the sender: its acknowledgement came after the window."""
+    EXPIRED = 6
+    """The leader never committed the group (it gave the round up)."""
+    UNREACHABLE = 7
+    """Not an answer: the follower could not open a stream to the leader, so its
+    acknowledgement never left and the leader cannot have counted it."""
+
+
+class LeftOut(NoGroup):
+    """A group was formed under this key, but without this peer: it did not acknowledge the
+    group in time, or the leader refused its acknowledgement (`refusal` says why). Nothing was
+    exchanged, and the leader does not count this peer. Unlike a plain NoGroup, other peers are
+    averaging under this key right now: applying δ alone would make a second group under the
+    same key (a fork), so the caller keeps its δ for a later group."""
+
+    def __init__(self, message: str, *, refusal: CommitRefusal) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
 class RefusalCode(IntEnum):
     """Why a donor refused a state, range or update request (coordinator_free/state_transfer)."""
 

@@ -10,9 +10,10 @@ every peer imports torch and hivemind meanwhile); the answer is {"op": "ready", 
 
     {"op": "average", "averager": "fp32"|"fp16"|"int8"|"int4"|"int8_prune50", "key": "v0", "seed": 1, "scale": 0.25,
      "shapes": [[3, 4], ...], "weight": 1.0, "target_size": 3, "matchmaking_timeout_s": 5,
-     "allreduce_timeout_s": 10, "die_after_group": false}
+     "allreduce_timeout_s": 10, "die_after_group": false, "ack_delay_s": 0}
         -> {"op": "average", "ok": true, "sha256": ..., "path": <safetensors file>, ...}
-           or {"op": "average", "ok": false, "error": "NoGroup"|"AllReduceFailed", ...}
+           or {"op": "average", "ok": false, "error": "NoGroup"|"LeftOut"|"AllReduceFailed",
+               "refusal": <CommitRefusal name, for LeftOut>, ...}
     {"op": "quit"}
 
 A join command with "client": true makes this peer's "client" averager a client-mode one (it
@@ -20,7 +21,9 @@ reduces no part; the peer's DHT stays a server, so the other averagers are unaff
 
 The contribution is `scale * randn(shape)` from a generator seeded with `seed`, so the test can
 recompute every member's input. `die_after_group` SIGKILLs this peer's whole process group
-(itself, its DHT process, its p2p daemon) right after it has joined a group.
+(itself, its DHT process, its p2p daemon) right after it has joined a group. `ack_delay_s`
+(fp32 averager only) stalls this peer that long between the group's assembly and its
+acknowledgement, when it is a follower (GroupAverager's `delay_ack` fault).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from hivemind.dht import DHT
 from safetensors.torch import save_file
 
 from diloco_peer.averaging.group_averager import GroupAverager
-from diloco_peer.errors import AllReduceFailed, NoGroup
+from diloco_peer.errors import AllReduceFailed, LeftOut, NoGroup
 from diloco_peer.p2p.service import P2PService
 
 
@@ -86,6 +89,7 @@ def run_average(averagers: dict[str, GroupAverager], cmd: dict[str, Any], out: P
                 "op": "average",
                 "ok": False,
                 "error": type(e).__name__,
+                "refusal": e.refusal.name if isinstance(e, LeftOut) else None,
                 "message": str(e),
                 "elapsed_s": time.perf_counter() - started,
             }
@@ -128,12 +132,15 @@ def main() -> None:
     try:
         service.start()
         die = {"armed": False}
+        stall = {"ack_delay_s": 0.0}
 
         def on_group(key: str, members: list[str]) -> None:
             if die["armed"]:
                 kill_myself(key, members)
 
-        averagers["fp32"] = GroupAverager(service, "t32", on_group=on_group)
+        averagers["fp32"] = GroupAverager(
+            service, "t32", on_group=on_group, delay_ack=lambda key: stall["ack_delay_s"]
+        )
         averagers["fp16"] = GroupAverager(service, "t16", compression="fp16")
         averagers["int8"] = GroupAverager(service, "t8", compression="int8")
         averagers["int4"] = GroupAverager(service, "t4", compression="int4")
@@ -157,6 +164,7 @@ def main() -> None:
             if cmd["op"] == "quit":
                 break
             die["armed"] = bool(cmd.get("die_after_group", False))
+            stall["ack_delay_s"] = float(cmd.get("ack_delay_s", 0.0))
             run_average(averagers, cmd, out)
     finally:
         for averager in averagers.values():

@@ -17,6 +17,8 @@ a hang (hypothesis' deadline bounds each example, pytest-timeout each test):
     UpdateRecord.from_bytes, peek_update            ValueError
     ReplicatedState.load (a donor's state)          ConfigError
     compression.decode, matchmaking.unpack_gather   AllReduceFailed
+    commit.unpack_ack (a follower's ACK)            returns None
+    commit.unpack_answer (a leader's commit)        LeftOut, AllReduceFailed
     identity.parse_public_key                       IdentityError
 
 Not fuzzed here: the request and answer headers of state_transfer.py (`StateServer._accept`,
@@ -47,8 +49,15 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from diloco_peer.averaging.commit import (
+    ACK,
+    pack_committed,
+    pack_refusal,
+    unpack_ack,
+    unpack_answer,
+)
 from diloco_peer.averaging.compression import COMPRESSIONS, decode, encoded_size
-from diloco_peer.averaging.matchmaking import pack_gather, unpack_gather
+from diloco_peer.averaging.matchmaking import Group, pack_gather, unpack_gather
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import RunSpec, SwarmSettings
@@ -65,8 +74,10 @@ from diloco_peer.coordinator_free.update_log import UpdateRecord, peek_update
 from diloco_peer.errors import (
     AllReduceFailed,
     CheckpointError,
+    CommitRefusal,
     ConfigError,
     IdentityError,
+    LeftOut,
     ManifestError,
     RecordError,
 )
@@ -624,3 +635,42 @@ def test_unpack_gather_of_arbitrary_bytes(data: bytes) -> None:
         weight, client, _ = result
         assert math.isfinite(weight) and weight > 0
         assert isinstance(client, bool)
+
+
+_COMMIT_PEERS = tuple(f"Peer{i}" for i in range(11))  # 11 members: a bitmap of 2 bytes
+_COMMIT_GROUP = Group(
+    key="v1_x", group_id=b"g", members=_COMMIT_PEERS, weights=(1.0,) * 11, gathered=(b"",) * 11,
+    clients=(False,) * 11, digest=b"d" * 32, leader=_COMMIT_PEERS[4],
+)  # fmt: skip
+
+
+@FUZZ
+@given(
+    st.binary(max_size=48)
+    | st.binary(min_size=33, max_size=33).map(lambda b: b"DLCA\x01" + b[:32])
+    | st.binary(min_size=ACK.size, max_size=ACK.size)
+)
+def test_unpack_ack_of_arbitrary_bytes(data: bytes) -> None:
+    digest = unpack_ack(data)
+    assert digest is None or (len(digest) == 32 and data.startswith(b"DLCA\x01"))
+
+
+@FUZZ
+@given(
+    st.binary(max_size=8)
+    | st.binary(min_size=2, max_size=2).map(lambda b: b"IN" + b)
+    | st.integers(0, 255).map(lambda c: b"NO" + bytes([c]))
+    | st.sets(st.sampled_from(_COMMIT_PEERS)).map(lambda m: pack_committed(_COMMIT_PEERS, m)),
+    st.sampled_from(_COMMIT_PEERS),
+)
+def test_unpack_answer_of_arbitrary_bytes(data: bytes, me: str) -> None:
+    committed = outcome(lambda: unpack_answer(data, _COMMIT_GROUP, me), AllReduceFailed)
+    if committed is not None:  # LeftOut is a NoGroup, not an AllReduceFailed: it propagates
+        assert {me, _COMMIT_GROUP.leader} <= committed <= set(_COMMIT_PEERS)
+        assert data == pack_committed(_COMMIT_PEERS, committed)
+
+
+def test_every_refusal_code_reads_back_as_left_out() -> None:
+    for code in CommitRefusal:
+        with pytest.raises(LeftOut):
+            unpack_answer(pack_refusal(code), _COMMIT_GROUP, _COMMIT_PEERS[0])

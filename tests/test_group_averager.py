@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,6 +93,7 @@ class Peer:
         self._reader.start()
         self.peer_id = ""
         self.maddrs: list[str] = []
+        self._quitting = False
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -125,13 +127,22 @@ class Peer:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
 
+    def quit(self) -> None:
+        """Ask to quit (once), without waiting."""
+        if self._quitting or self.proc.poll() is not None:
+            return
+        self._quitting = True
+        try:
+            self.send({"op": "quit"})
+        except OSError:
+            pass
+
     def close(self) -> None:
         """Ask to quit, then SIGKILL the whole process group whatever happened."""
+        self.quit()
         try:
-            if self.proc.poll() is None:
-                self.send({"op": "quit"})
-                self.proc.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # DHT process and p2pd may outlive the peer
@@ -156,6 +167,8 @@ def swarm(out_dir: Path, size: int) -> Iterator[list[Peer]]:
             peer.wait_ready()
         yield peers
     finally:
+        for peer in peers:
+            peer.quit()  # all at once: each takes a few seconds to shut its parts down
         for peer in peers:
             peer.close()
 
@@ -477,6 +490,38 @@ def test_lone_key_gets_no_group_while_others_pair(trio: list[Peer]) -> None:
 
 
 @pytest.mark.multipeer
+@pytest.mark.timeout(90)
+def test_a_member_that_does_not_acknowledge_is_left_out_and_the_others_average(
+    trio: list[Peer],
+) -> None:
+    """The commit step (averaging/commit.py). Peer 2 asks last, so it follows (a leader is
+    whoever declared the earliest deadline), and it stalls between the group's assembly and its
+    acknowledgement, past the leader's window (min(5, 0.2 x 8) = 1.6 s). The leader commits
+    peers 0 and 1 only: they average between them, with the very bits of the in-memory
+    all-reduce of their two inputs; peer 2 is told it is not in (LeftOut, TOO_LATE) instead of
+    failing a round the others count it in. Without the step, the leader would count peer 2,
+    and peers 0 and 1 would fail waiting for its parts."""
+    seeds, weights, allreduce_s, stall_s = [71, 72, 73], [1.0, 2.0, 4.0], 8.0, 4.0
+    commands = [
+        average_command("vack", s, w, allreduce_timeout_s=allreduce_s)
+        for s, w in zip(seeds, weights, strict=True)
+    ]
+    commands[2]["ack_delay_s"] = stall_s
+    for peer, command in zip(trio[:2], commands[:2], strict=True):
+        peer.send(command)
+    time.sleep(1.0)  # a later deadline than both: peer 2 cannot lead
+    trio[2].send(commands[2])
+    budget_s = commands[0]["matchmaking_timeout_s"] + allreduce_s + 30
+    answers = [peer.receive(budget_s) for peer in trio]
+    check_round(trio[:2], answers[:2], seeds[:2], weights[:2], tolerance=1e-6)
+    left = answers[2]
+    assert not left["ok"] and left["error"] == "LeftOut", f"{left}\n{trio[2].log_tail()}"
+    assert left["refusal"] == "TOO_LATE", left
+    # it knew within its stall plus one answer, well inside the round's time
+    assert left["elapsed_s"] <= commands[2]["matchmaking_timeout_s"] + stall_s + SLACK_S, left
+
+
+@pytest.mark.multipeer
 @pytest.mark.timeout(120)
 def test_peer_killed_after_joining_fails_round_for_survivors(tmp_path: Path) -> None:
     """SIGKILL of a member right after matchmaking: the survivors fail (or, had it died before
@@ -668,7 +713,11 @@ def _group_info(peers: list[PeerID], envelopes: list[bytes]) -> GroupInfo:
 def test_validate_group_sorts_and_rejects_bad_leaders() -> None:
     a, b, c = (PeerID(bytes([i]) * 34) for i in (3, 1, 2))
     envs = [pack_gather(w, f"g{w}".encode(), client=w == 2.0) for w in (1.0, 2.0, 3.0)]
-    group = validate_group("v0", _group_info([a, b, c], envs), a.to_base58(), envs[0])
+    leader = c.to_base58()
+    group = validate_group(
+        "v0", _group_info([a, b, c], envs), a.to_base58(), envs[0], leader=leader
+    )
+    assert group.leader == leader
     by_id = {
         p.to_base58(): (w, e) for p, w, e in zip((a, b, c), (1.0, 2.0, 3.0), envs, strict=True)
     }
@@ -694,7 +743,11 @@ def test_validate_group_sorts_and_rejects_bad_leaders() -> None:
     ]
     for info, mine in bad:
         with pytest.raises(AllReduceFailed):
-            validate_group("v0", info, a.to_base58(), mine)
+            validate_group("v0", info, a.to_base58(), mine, leader=leader)
+    outsider = PeerID(b"\x07" * 34).to_base58()
+    for wrong in (outsider, b.to_base58()):  # not a member; a client (nobody can dial it)
+        with pytest.raises(AllReduceFailed, match="leads"):
+            validate_group("v0", _group_info([a, b, c], envs), a.to_base58(), envs[0], leader=wrong)
 
 
 @pytest.mark.timeout(10)

@@ -18,7 +18,7 @@ from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.swarm_view import HeadBook, SwarmView
 from diloco_peer.coordinator_free.update_log import UpdateLog
-from diloco_peer.errors import AllReduceFailed, NoGroup
+from diloco_peer.errors import AllReduceFailed, CommitRefusal, LeftOut, NoGroup
 from diloco_peer.identity import Identity
 from diloco_peer.peer.delta import Contribution
 from diloco_peer.peer.heads import Activity
@@ -183,6 +183,19 @@ def test_async_without_a_group_retries_at_a_new_head_or_once_for_a_grouping_peer
     outcome = part.run(delta(), loss=2.0, t0=0.0)
     assert outcome.status is RoundStatus.ALONE and len(averager.calls) == 3
     assert averager.calls[0]["matchmaking_timeout_s"] == part.swarm.grace_s
+
+
+def test_left_out_of_a_group_keeps_the_delta_even_in_async_mode() -> None:
+    """A group formed under our key without us (we did not acknowledge it in time): its members
+    move to v+1, so applying our δ alone would be a second group under that key, a fork."""
+    averager = FakeAverager(LeftOut("committed without me", refusal=CommitRefusal.TOO_LATE))
+    grouping = {OTHER: {"in_group": True, "speed": 1.0}}
+    part, replica, _, events = make_round(averager, grouping, protocol="async")
+    mine = delta()
+    outcome = part.run(mine, loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.KEPT and outcome.reason.endswith("TOO_LATE")
+    assert len(averager.calls) == 1 and replica.version == 0
+    assert part.ledger.pending is mine and events.names() == ["round_failed"]
 
 
 def test_the_retry_loop_is_bounded() -> None:

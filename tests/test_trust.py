@@ -61,6 +61,7 @@ def test_hostile_headers_are_refused_at_admission(mode: str, reason: str) -> Non
     group = Group(
         key=KEY, group_id=b"g", members=tuple(sorted([ME.peer_id_str, OTHER.peer_id_str])),
         weights=(1.0, 1.0), gathered=(), clients=(False, False), digest=b"d",
+        leader=ME.peer_id_str,
     )  # fmt: skip
     gathered = {ME.peer_id_str: mine.gather, OTHER.peer_id_str: hostile.gather}
     group = Group(**{**group.__dict__, "gathered": tuple(gathered[m] for m in group.members)})

@@ -54,7 +54,7 @@ from diloco_peer.averaging.member import AllReduceResult, PartSender
 from diloco_peer.averaging.partition import chunk_count, chunk_digest
 from diloco_peer.averaging.reducer import PartReducer, Round
 from diloco_peer.averaging.robust import Aggregation, check_bounds
-from diloco_peer.errors import AllReduceFailed, PartStopped
+from diloco_peer.errors import AllReduceFailed
 from diloco_peer.p2p.handler import HANDLER_CALL_TIMEOUT_S, HandlerServer
 from diloco_peer.p2p.service import P2PService
 
@@ -112,14 +112,6 @@ class PartExchange(HandlerServer):
         return self._service.peer_id
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def ready(self, timeout_s: float) -> None:
-        """Inside the service's loop: wait until the handler is registered (re-raises what
-        registering failed with)."""
-        if self._ready is None:
-            raise PartStopped(f"{self.part_name} was not started")
-        # shielded: a waiter that times out must not cancel the registration itself
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._ready)), timeout_s)
 
     async def _register(self) -> None:
         await self._service.ready(_SERVICE_READY_TIMEOUT_S)

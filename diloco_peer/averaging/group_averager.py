@@ -17,7 +17,13 @@ members between calls. Its outcomes (DESIGN.md §3, steps 4-5):
 
 - a `GroupResult`: every member holds the same `average` bits and the same member list;
 - `NoGroup`: nobody else came in time; a lone peer applies its own δ;
+- `LeftOut` (a NoGroup): a group formed under this key without this peer (it did not
+  acknowledge the group in time, commit.py); δ is kept, never applied alone;
 - `AllReduceFailed`: a group was formed but did not finish; nothing is applied, δ is kept.
+
+A round: hivemind's matchmaking (matchmaking.py), the commit step (commit.py: only the members
+that acknowledged the group count), the admission of the committed members (round_plan.py),
+the part exchange (allreduce.py).
 """
 
 from __future__ import annotations
@@ -31,18 +37,24 @@ import re
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from diloco_peer.averaging.allreduce import SETUP_TIMEOUT_S, PartExchange
+from diloco_peer.averaging.commit import COMMIT_PROTOCOL, CommitDesk, commit, commit_window_s
 from diloco_peer.averaging.compression import COMPRESSIONS, Compression, prune
 from diloco_peer.averaging.matchmaking import GATHER_PROTOCOL, Group, form_group
-from diloco_peer.averaging.member import AllReduceResult
 from diloco_peer.averaging.robust import Aggregation
-from diloco_peer.errors import AllReduceFailed, NoGroup, P2PServiceStopped
+from diloco_peer.averaging.round_plan import (
+    Admission,
+    GroupResult,
+    describe,
+    group_result,
+    plan_round,
+)
+from diloco_peer.errors import AllReduceFailed, LeftOut, NoGroup, P2PServiceStopped
 from diloco_peer.lifecycle import BackgroundPart
 from diloco_peer.p2p.handler import HANDLER_CALL_TIMEOUT_S
 from diloco_peer.p2p.service import P2PService
@@ -54,61 +66,6 @@ _NAME = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 _MAX_GATHER_BYTES = 64 * 1024
 _CALL_SLACK_S = 5.0
 """Backstop on top of a call's own timeouts, for the training thread's wait on the loop."""
-
-
-@dataclass(frozen=True)
-class GroupResult:
-    """One successful round: the fields up to `group_id` are identical on every member; the
-    traffic and timings that follow are this peer's own."""
-
-    average: list[Tensor]
-    """Σ_j w_j δ_j / Σ_j w_j, same shapes as the input, fp32 on CPU, bit-identical on members."""
-    members: list[str]
-    """Sorted base58 peer ids."""
-    weights: dict[str, float]
-    """Each member's self-reported weight."""
-    gathered: dict[str, bytes]
-    """Each member's `gather` bytes (for signed contribution headers)."""
-    group_id: bytes
-    """hivemind's group id, chosen at random by the group's leader."""
-    bytes_sent: int
-    """Bytes this peer wrote to the round's part streams, measured: every frame as sent (8-byte
-    length prefix + payload), i.e. its parts and part headers to the other reducers and, as a
-    reducer, the averaged part back to each member: about 2·b·n·(k−1)/k for n floats in a group
-    of k, b the bytes per value of the codec (4 for fp32, 2 for fp16, ~1.03 for int8, ~0.53 for
-    int4: `compression.encoded_size`), plus ~100 B of framing per stream. Matchmaking (hivemind
-    RPC, DHT) is not counted. Differs slightly between members (part sizes differ by one float)."""
-    bytes_received: int
-    """Bytes this peer read from the same streams, counted the same way: the other members' parts
-    for the part it reduces, and the averages of its parts from their reducers. Over a group, the
-    sum of `bytes_received` equals the sum of `bytes_sent` (every frame sent is read once) when
-    every member succeeded. Matchmaking is not counted."""
-    matchmaking_s: float
-    """Seconds from the call to the group being formed (hivemind's matchmaking)."""
-    allreduce_s: float
-    """Seconds from the group being formed to this peer holding the average."""
-    excluded: dict[str, str] = field(default_factory=dict)
-    """Members whose δ was kept out, with the reason: by the admission check before the
-    all-reduce (then they are not in `members`), or by a part reducer (then they are in
-    `members` but not in `contributors`). Identical on every member."""
-    accusations: dict[str, int] = field(default_factory=dict)
-    """For members a part reducer excluded: how many of the `len(members)` reducers did."""
-
-    @property
-    def contributors(self) -> list[str]:
-        """The members whose δ is in the average (in every part of it)."""
-        return [m for m in self.members if m not in self.excluded]
-
-
-@dataclass(frozen=True)
-class Admission:
-    """Which members of a formed group take part in its all-reduce (the caller's screening of
-    their signed headers, `contribution.screen_group`); the same on every honest member."""
-
-    bounds: dict[str, float | None]
-    """Admitted members and each one's declared δ norm, which bounds the norm of its parts."""
-    excluded: dict[str, str]
-    """Members kept out, with the reason."""
 
 
 def _positive(name: str, value: float) -> float:
@@ -137,19 +94,6 @@ def flatten(tensors: Sequence[Tensor], prune_fraction: float) -> Tensor:
     return flat
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """Who of a formed group takes part in its all-reduce, the same on every admitted member:
-    the admitted members (sorted), those of them that reduce a part (not in client mode), their
-    declared δ norms, who the admission kept out and why, and the round's digest."""
-
-    members: tuple[str, ...]
-    reducers: tuple[str, ...]
-    bounds: list[float | None]
-    excluded: dict[str, str]
-    digest: bytes
-
-
 class GroupAverager(BackgroundPart):
     """Forms groups of peers that call `average` with the same key, and all-reduces within them.
 
@@ -170,8 +114,11 @@ class GroupAverager(BackgroundPart):
         (robust.py: mean, trimmed mean or centered clipping; the minimum cosine). From the
         manifest, like compression.
     :param on_group: called in the loop thread with (key, sorted members) once a group is
-        formed, before any part is sent. For metrics and for fault injection in tests
+        committed, before any part is sent. For metrics and for fault injection in tests
         ("kill this peer right after it joined a group").
+    :param delay_ack: test-only fault: called in the loop thread with the round key when this
+        peer, a follower, is about to acknowledge a group (commit.py); it waits the seconds
+        returned first, as a peer that stalls between the group's assembly and its commit.
     :param tamper: test-only (`join --chaos`): applied to the flat vector after its checks, so
         a hostile peer can send what an honest one never would (NaN, a scaled or random δ).
     :param client_mode: this peer cannot be dialed (behind a NAT or a firewall; its DHT is in
@@ -191,6 +138,7 @@ class GroupAverager(BackgroundPart):
         on_group: Callable[[str, list[str]], None] | None = None,
         tamper: Callable[[Tensor], Tensor] | None = None,
         client_mode: bool = False,
+        delay_ack: Callable[[str], float] | None = None,
     ) -> None:
         if not _NAME.fullmatch(prefix):
             raise ValueError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
@@ -209,7 +157,9 @@ class GroupAverager(BackgroundPart):
         self._on_group = on_group
         self._tamper = tamper
         self._client_mode = bool(client_mode)
+        self._delay_ack = delay_ack
         self._exchange = PartExchange(service, prefix, compression, self._aggregation)
+        self._desk = CommitDesk(service, prefix)
         self._peer_id: str | None = None
         self._busy = threading.Lock()  # one average() at a time
         self._round: asyncio.Task[Any] | None = None  # in the loop: the running round
@@ -221,12 +171,15 @@ class GroupAverager(BackgroundPart):
     # ------------------------------------------------------------------ lifecycle
 
     def _begin(self) -> concurrent.futures.Future[None]:
-        """Register the part handler on the service's loop, once its replica is connected."""
+        """Register the part and commit handlers on the service's loop, once its replica is
+        connected."""
         self._exchange.start()
         return asyncio.run_coroutine_threadsafe(self._setup(), self._service.loop)
 
     async def _setup(self) -> None:
         await self._exchange.ready(SETUP_TIMEOUT_S)
+        self._desk.start()  # the service's replica is up: registering takes one daemon call
+        await self._desk.ready(SETUP_TIMEOUT_S)
         self._peer_id = self._service.peer_id
         logger.info("[%s] GroupAverager %s ready", self._peer_id[-6:], self._prefix)
 
@@ -240,6 +193,7 @@ class GroupAverager(BackgroundPart):
         except (TimeoutError, P2PServiceStopped) as e:
             logger.warning("GroupAverager %s: shutdown incomplete: %r", self._prefix, e)
         self._exchange.shutdown()
+        self._desk.shutdown()
 
     async def _cancel_round(self) -> None:
         if self._round is not None:
@@ -273,10 +227,12 @@ class GroupAverager(BackgroundPart):
         leaves this peer alone, that is NoGroup.
 
         The group closes once `target_size` members are in, or with whoever came (at least two)
-        when about `matchmaking_timeout_s` has passed. Returns in at most
+        when about `matchmaking_timeout_s` has passed; it counts the members that acknowledged
+        it (commit.py: a step carved out of `allreduce_timeout_s`). Returns in at most
         matchmaking_timeout_s + allreduce_timeout_s (plus a few seconds of daemon calls).
-        Raises NoGroup if no other peer joined in time, AllReduceFailed if the group did not
-        complete its exchange (no partial result is ever returned), ValueError on bad input.
+        Raises NoGroup if no other peer joined in time, LeftOut (a NoGroup) if a group formed
+        without this peer, AllReduceFailed if the group did not complete its exchange (no
+        partial result is ever returned), ValueError on bad input.
         """
         if not isinstance(key, str) or not _NAME.fullmatch(key):
             raise ValueError(f"key must match {_NAME.pattern}, got {key!r}")
@@ -351,22 +307,27 @@ class GroupAverager(BackgroundPart):
         allreduce_timeout_s: float,
         admit: Callable[[Group], Admission] | None,
     ) -> GroupResult:
-        """One round in the loop: form a group, admit its members, all-reduce with them."""
+        """One round in the loop: form a group, commit it, admit its members, all-reduce."""
         tag = f"[{self.peer_id[-6:]} round={key}]"
         started = time.perf_counter()
-        group = await self._form_group(
+        group, commit_s = await self._form_group(
             key,
             shapes,
             weight=weight,
             gather=gather,
             target_size=target_size,
             matchmaking_timeout_s=matchmaking_timeout_s,
+            allreduce_timeout_s=allreduce_timeout_s,
         )
         formed = time.perf_counter()
-        logger.info("%s group of %d formed in %.2f s", tag, len(group.members), formed - started)
+        logger.info("%s group of %d committed in %.2f s", tag, len(group.members), formed - started)
         if self._on_group is not None:
             self._on_group(key, list(group.members))
-        plan = self._plan(key, group, admit, tag)
+        try:
+            plan = plan_round(self.peer_id, group, admit, tag)
+        except (NoGroup, AllReduceFailed):
+            self._exchange.close_key(key)
+            raise
         weights = dict(zip(group.members, group.weights, strict=True))
         reduced = await self._exchange.all_reduce(
             key=key,
@@ -374,12 +335,12 @@ class GroupAverager(BackgroundPart):
             members=plan.members,
             weights=[weights[m] for m in plan.members],
             flat=flat,
-            allreduce_timeout_s=allreduce_timeout_s,
+            allreduce_timeout_s=allreduce_timeout_s - commit_s,
             bounds=plan.bounds,
             reducers=plan.reducers,
         )
         if reduced.excluded:
-            logger.warning("%s parts refused: %s", tag, _describe(reduced.excluded))
+            logger.warning("%s parts refused: %s", tag, describe(reduced.excluded))
         done = time.perf_counter()
         logger.info(
             "%s all-reduce of %d floats done in %.2f s (%d B sent, %d B received)",
@@ -389,7 +350,7 @@ class GroupAverager(BackgroundPart):
             reduced.bytes_sent,
             reduced.bytes_received,
         )
-        return _group_result(group, plan, reduced, shapes, formed - started, done - formed)
+        return group_result(group, plan, reduced, shapes, formed - started, done - formed)
 
     async def _form_group(
         self,
@@ -400,18 +361,22 @@ class GroupAverager(BackgroundPart):
         gather: bytes,
         target_size: int,
         matchmaking_timeout_s: float,
-    ) -> Group:
-        """hivemind's matchmaking among the peers that call with this key and the same schema;
-        parts of other groups with this key are refused once it fails (matchmaking.py)."""
+        allreduce_timeout_s: float,
+    ) -> tuple[Group, float]:
+        """hivemind's matchmaking among the peers that call with this key and the same schema,
+        then the commit step (commit.py); the committed group, and the seconds the commit took
+        (carved out of the all-reduce's time). Once it fails, parts of other groups with this
+        key are refused (matchmaking.py)."""
         # peers whose tensors differ in layout or encoding must never meet: hivemind rejects a
         # join request whose schema hash differs from the leader's
         schema = (
             f"{self._prefix}|{key}|{self._compression}|{self._prune_fraction!r}|{shapes}|"
-            f"{self._aggregation!r}|{GATHER_PROTOCOL}"  # members check averages against their own
-        )
+            f"{self._aggregation!r}|{GATHER_PROTOCOL}|{COMMIT_PROTOCOL}"
+        )  # members check averages against their own aggregation
+        window_s = commit_window_s(allreduce_timeout_s)
         self._exchange.open_key(key)
         try:
-            return await form_group(
+            group = await form_group(
                 dht=self._service.dht,
                 p2p=self._service.p2p,
                 namespace=f"{self._prefix}-{key}",
@@ -422,78 +387,22 @@ class GroupAverager(BackgroundPart):
                 target_size=target_size,
                 matchmaking_timeout_s=matchmaking_timeout_s,
                 client_mode=self._client_mode,
+                on_lead=lambda proposed: self._desk.open(proposed, window_s),
             )
+            matched = time.perf_counter()
+            if self._delay_ack is not None and group.leader != self.peer_id:
+                await asyncio.sleep(self._delay_ack(key))
+            committed = await commit(
+                self._desk, self._service.p2p, group, self.peer_id,
+                allreduce_timeout_s=allreduce_timeout_s,
+            )  # fmt: skip
+            commit_s = time.perf_counter() - matched
+            if commit_s >= allreduce_timeout_s:
+                raise AllReduceFailed(f"the commit step took the all-reduce's {commit_s:.1f} s")
+            return committed, commit_s
         except BaseException:
             self._exchange.close_key(key)  # in no group: others' parts naming this key are refused
             raise
 
-    def _plan(
-        self, key: str, group: Group, admit: Callable[[Group], Admission] | None, tag: str
-    ) -> _Plan:
-        """Who of a formed group takes part, and the round's digest. NoGroup if nobody else
-        does, or no admitted member accepts connections; AllReduceFailed if I am kept out."""
-        admission = (
-            admit(group) if admit is not None else Admission({m: None for m in group.members}, {})
-        )
-        members = tuple(m for m in group.members if m in admission.bounds)
-        excluded = dict(admission.excluded)
-        if excluded:
-            logger.warning("%s kept out of the round: %s", tag, _describe(excluded))
-        if self.peer_id not in members:
-            self._exchange.close_key(key)
-            reason = excluded.get(self.peer_id, "not admitted")
-            raise AllReduceFailed(f"{tag} my contribution was not admitted: {reason}")
-        if len(members) == 1:
-            # Everyone else was kept out: no group. (Applying my δ alone here could fork the
-            # state while the honest peers averaged in a group of their own.)
-            self._exchange.close_key(key)
-            raise NoGroup(f"{tag} every other member was kept out: {_describe(excluded)}")
-        clients = {m for m, client in zip(group.members, group.clients, strict=True) if client}
-        reducers = tuple(m for m in members if m not in clients)
-        if not reducers:
-            self._exchange.close_key(key)
-            raise NoGroup(f"{tag} no admitted member accepts connections (all in client mode)")
-        # every admitted member derives the same digest from the same admission
-        plan = "|".join(members) + "#" + "|".join(reducers)
-        return _Plan(
-            members=members,
-            reducers=reducers,
-            bounds=[admission.bounds[m] for m in members],
-            excluded=excluded,
-            digest=hashlib.sha256(group.digest + plan.encode()).digest(),
-        )
 
-
-def _group_result(
-    group: Group,
-    plan: _Plan,
-    reduced: AllReduceResult,
-    shapes: list[tuple[int, ...]],
-    matchmaking_s: float,
-    allreduce_s: float,
-) -> GroupResult:
-    """The round's result as the caller sees it: the average in the caller's shapes, and the
-    admitted members' weights and gathered bytes."""
-    sizes = [math.prod(shape) for shape in shapes]
-    parts = reduced.average.split(sizes)
-    members = plan.members
-    return GroupResult(
-        average=[part.view(shape) for part, shape in zip(parts, shapes, strict=True)],
-        members=list(members),
-        weights={m: w for m, w in zip(group.members, group.weights, strict=True) if m in members},
-        gathered={m: g for m, g in zip(group.members, group.gathered, strict=True) if m in members},
-        group_id=group.group_id,
-        bytes_sent=reduced.bytes_sent,
-        bytes_received=reduced.bytes_received,
-        matchmaking_s=matchmaking_s,
-        allreduce_s=allreduce_s,
-        excluded={**plan.excluded, **reduced.excluded},
-        accusations=reduced.accusations,
-    )
-
-
-def _describe(excluded: dict[str, str]) -> str:
-    return "; ".join(f"{peer[-6:]}: {reason}" for peer, reason in sorted(excluded.items()))
-
-
-__all__ = ["Admission", "AllReduceFailed", "GroupAverager", "GroupResult", "NoGroup"]
+__all__ = ["Admission", "AllReduceFailed", "GroupAverager", "GroupResult", "LeftOut", "NoGroup"]

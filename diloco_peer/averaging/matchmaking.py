@@ -9,7 +9,10 @@ per round key, so only peers calling with the same key ever meet. What this modu
   every weight finite and positive), since a malformed or lying leader must not be trusted;
 - a digest binds key, group id, the sorted members, their weights and gathered bytes. Every part
   header of the all-reduce carries it and every reducer compares it with its own, so a round only
-  completes if every pair of members saw the same group.
+  completes if every pair of members saw the same group;
+- who the leader is (`Group.leader`), and a hook that runs on the leader as it assembles the
+  group, before any follower hears of it: the leader then collects the followers'
+  acknowledgements (commit.py), and only the members that acknowledged count.
 
 hivemind details that shape the calls: `min_group_size=1` does not work (a lone peer is handled
 here: no follower by the deadline is `NoGroup`), `request_timeout` must stay below
@@ -24,14 +27,15 @@ import hashlib
 import logging
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import AsyncIterator  # noqa: UP035  (ServicerBase needs typing's alias, see above)
+from typing import Any, AsyncIterator  # noqa: UP035  (ServicerBase needs typing's alias, see above)
 
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.dht import DHT
-from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, ServicerBase
+from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
@@ -79,6 +83,9 @@ class Group:
     sends its parts and reads the averages but reduces no part, since nobody can dial it."""
     digest: bytes
     """sha256 of everything above: equal on two members iff they saw the same group."""
+    leader: str
+    """The member that assembled the group (hivemind's leader; never in client mode): it
+    collects the acknowledgements and says who is committed (commit.py)."""
 
 
 def pack_gather(weight: float, gather: bytes, *, client: bool = False) -> bytes:
@@ -111,8 +118,9 @@ def group_digest(
     return h.digest()
 
 
-def validate_group(key: str, info: GroupInfo, me: str, my_envelope: bytes) -> Group:
-    """Turn hivemind's GroupInfo (the leader's word) into a checked, sorted `Group`.
+def validate_group(key: str, info: GroupInfo, me: str, my_envelope: bytes, *, leader: str) -> Group:
+    """Turn hivemind's GroupInfo (the leader's word) into a checked, sorted `Group`; `leader` is
+    who sent it (myself, if I assembled it).
 
     The size is the leader's business: its target may differ from mine (in sync mode each peer
     sets it from its own view of the live peers), so a group above my target is accepted.
@@ -135,6 +143,9 @@ def validate_group(key: str, info: GroupInfo, me: str, my_envelope: bytes) -> Gr
     members = tuple(sorted(peers))
     ordered = tuple(envelopes[m] for m in members)
     unpacked = [unpack_gather(e) for e in ordered]
+    if leader not in envelopes or unpack_gather(envelopes[leader])[1]:
+        # a client cannot lead (nobody can dial it to acknowledge): the leader lies
+        raise AllReduceFailed(f"[{me[-6:]} round={key}] the leader is no member that leads")
     return Group(
         key=key,
         group_id=info.group_id,
@@ -143,10 +154,42 @@ def validate_group(key: str, info: GroupInfo, me: str, my_envelope: bytes) -> Gr
         gathered=tuple(g for _, _, g in unpacked),
         clients=tuple(c for _, c, _ in unpacked),
         digest=group_digest(key, info.group_id, members, ordered),
+        leader=leader,
     )
 
 
-class _FollowerMatchmaking(Matchmaking):
+class _RoundMatchmaking(Matchmaking):
+    """hivemind's `Matchmaking` for one round, remembering who assembled the group (`leader`)
+    and calling `on_lead` on the leader as soon as it has assembled one.
+
+    hivemind sets the assembled group's future and returns without yielding to the loop, so
+    `on_lead` runs before any follower's join stream carries BEGIN_ALLREDUCE: the leader is
+    ready for the followers' acknowledgements before the first one can come.
+    """
+
+    def __init__(
+        self, *args: Any, on_lead: Callable[[GroupInfo], None] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.leader: PeerID | None = None
+        self._on_lead = on_lead
+
+    async def leader_assemble_group(self) -> GroupInfo:
+        info = await super().leader_assemble_group()
+        self.leader = self.peer_id
+        if self._on_lead is not None:
+            self._on_lead(info)
+        return info
+
+    async def follower_assemble_group(
+        self, leader: PeerID, msg: averaging_pb2.MessageFromLeader
+    ) -> GroupInfo:
+        info = await super().follower_assemble_group(leader, msg)
+        self.leader = leader
+        return info
+
+
+class _FollowerMatchmaking(_RoundMatchmaking):
     """hivemind's matchmaking for a peer in client mode, which can only follow.
 
     A leader refuses a follower whose join request expires before the leader's own declared
@@ -167,7 +210,7 @@ class _JoinServicer(ServicerBase):
     """Serves hivemind's `rpc_join_group` for the one `Matchmaking` of a round."""
 
     def __init__(self) -> None:
-        self.matchmaking: Matchmaking | None = None
+        self.matchmaking: _RoundMatchmaking | None = None
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -220,8 +263,12 @@ async def form_group(
     target_size: int,
     matchmaking_timeout_s: float,
     client_mode: bool = False,
+    on_lead: Callable[[Group], None] | None = None,
 ) -> Group:
     """Find peers that call with the same `namespace` (which encodes the key) and schema.
+
+    If this peer leads, `on_lead` gets the group as soon as it is assembled, before any
+    follower hears of it (a group whose own check fails here is not passed on).
 
     In `client_mode` (a peer nobody can dial) this peer only asks others to lead; it never
     declares itself a leader, its envelope tells the group it reduces no part, and it waits
@@ -239,13 +286,22 @@ async def form_group(
     # leader has a later deadline, so it hears the leader's decision in time
     margin_s = min(_MAX_CLOSE_MARGIN_S, 0.2 * matchmaking_timeout_s)
     search_s = matchmaking_timeout_s - margin_s
+
+    def lead(info: GroupInfo) -> None:
+        try:
+            group = validate_group(key, info, me, envelope, leader=me)
+        except AllReduceFailed:
+            return  # the same check fails again below, and nobody is counted
+        if on_lead is not None:
+            on_lead(group)
+
     servicer = _JoinServicer()
     await asyncio.wait_for(
         servicer.add_p2p_handlers(p2p, namespace=namespace), HANDLER_CALL_TIMEOUT_S
     )
     try:
         servicer.matchmaking = _matchmaking(
-            dht, p2p, namespace, schema_hash, target_size, search_s, client_mode
+            dht, p2p, namespace, schema_hash, target_size, search_s, client_mode, lead
         )
         info = await _look_for_group(
             servicer.matchmaking,
@@ -253,11 +309,14 @@ async def form_group(
             matchmaking_timeout_s,
             tag,
         )
+        leader = servicer.matchmaking.leader
     finally:
         await _close(servicer, p2p, namespace, tag)
     if info is None:
         raise NoGroup(f"{tag} no other peer joined within {matchmaking_timeout_s} s")
-    return validate_group(key, info, me, envelope)
+    if leader is None:
+        raise AllReduceFailed(f"{tag} a group came from no known leader")
+    return validate_group(key, info, me, envelope, leader=leader.to_base58())
 
 
 def _matchmaking(
@@ -268,9 +327,10 @@ def _matchmaking(
     target_size: int,
     search_s: float,
     client_mode: bool,
-) -> Matchmaking:
+    on_lead: Callable[[GroupInfo], None],
+) -> _RoundMatchmaking:
     """hivemind's `Matchmaking` for one round (a follower only, in client mode)."""
-    matchmaking = (_FollowerMatchmaking if client_mode else Matchmaking)(
+    matchmaking = (_FollowerMatchmaking if client_mode else _RoundMatchmaking)(
         p2p,
         schema_hash,
         dht,
@@ -281,6 +341,7 @@ def _matchmaking(
         min_matchmaking_time=search_s,
         request_timeout=min(_MAX_REQUEST_TIMEOUT_S, 0.5 * search_s),
         client_mode=client_mode,
+        on_lead=on_lead,
     )
     # Peers may ask for different target sizes; a group larger than this peer's target
     # makes hivemind's key manager fail (random.sample of target buckets). The key it

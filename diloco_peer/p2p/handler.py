@@ -14,7 +14,7 @@ import concurrent.futures
 import logging
 from typing import Any
 
-from diloco_peer.errors import P2PServiceStopped
+from diloco_peer.errors import P2PServiceStopped, PartStopped
 from diloco_peer.lifecycle import BackgroundPart
 from diloco_peer.p2p.service import P2PService
 from diloco_peer.p2p.streams import STREAM_ERRORS
@@ -47,6 +47,14 @@ class HandlerServer(BackgroundPart):
         self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         raise NotImplementedError
+
+    async def ready(self, timeout_s: float) -> None:
+        """Inside the service's loop: wait until the handler is registered (re-raises what
+        registering failed with)."""
+        if self._ready is None:
+            raise PartStopped(f"{self.part_name} was not started")
+        # shielded: a waiter that times out must not cancel the registration itself
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._ready)), timeout_s)
 
     def _begin(self) -> concurrent.futures.Future[None]:
         """Register the handler on the loop once the service's replica is connected; from then

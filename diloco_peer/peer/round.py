@@ -20,7 +20,7 @@ from hivemind.utils import get_dht_time
 
 from diloco_peer.averaging.group_averager import GroupAverager, GroupResult
 from diloco_peer.config import SwarmSettings
-from diloco_peer.errors import AllReduceFailed, NoGroup
+from diloco_peer.errors import AllReduceFailed, LeftOut, NoGroup
 from diloco_peer.peer.delta import Contribution
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.heads import Activity, HeadChannel
@@ -156,6 +156,10 @@ class Round:
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
                 admit=self.guard.admit(offer.round),
             )  # fmt: skip
+        except LeftOut as e:  # a group under this key goes on without us: never apply δ alone
+            self._log_exclusions(loss)
+            self.counters.wait_s += time.time() - waited
+            return self.keep(mine, f"left out of the group: {e.refusal.name}", t0)
         except NoGroup:
             self._log_exclusions(loss)
             self.counters.wait_s += time.time() - waited
