@@ -73,9 +73,7 @@ def join(
         None, help="Debug: write every applied update (average, count) into this new folder."
     ),
     max_hours: float = typer.Option(0.0, help="Stop (checkpoint, leave) after this many hours."),
-    metrics_port: int = typer.Option(
-        -1, help="Serve Prometheus metrics on this port (0 = any free; default none)."
-    ),
+    metrics_port: int = typer.Option(-1, help="Prometheus metrics port (0 = any; default none)."),
     metrics_host: str = typer.Option("127.0.0.1", help="Interface of the metrics endpoint."),
     tensorboard: Path | None = typer.Option(
         None, help="Write TensorBoard event files here (pip install 'diloco-peer[tb]')."
@@ -83,12 +81,8 @@ def join(
     gpu_memory_fraction: float = typer.Option(
         1.0, help="CUDA: share of the GPU's memory this peer may use."
     ),
-    allowlist: Path | None = typer.Option(
-        None, help="Private swarm: the owner's signed allowlist (`diloco-peer allow`)."
-    ),
-    owner: str | None = typer.Option(
-        None, help="Joining: the run owner's peer id (in the line the founder prints)."
-    ),
+    allowlist: Path | None = typer.Option(None, help="Private swarm: the owner's allowlist."),
+    owner: str | None = typer.Option(None, help="Joining: the run owner's peer id."),
     chaos: str | None = typer.Option(None, hidden=True, help="Test only: misbehave (chaos.py)."),
     fault: list[str] = typer.Option([], hidden=True, help="Test only: NAME=N (faults.py)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
