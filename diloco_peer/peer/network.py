@@ -72,6 +72,16 @@ def allowed_by(allowlist: Allowlist | None, owner_peer_id: str) -> Callable[[str
     return allowlist.allows
 
 
+def initial_peer_ids(swarm: Sequence[str]) -> list[str]:
+    """The peer ids (base58) in `join --swarm` multiaddrs, each once (checked by the DHT at
+    start: every multiaddr there names its peer)."""
+    ids = []
+    for maddr in swarm:
+        with contextlib.suppress(Exception):  # a multiaddr without /p2p/
+            ids.append(Multiaddr(maddr).value_for_protocol("p2p"))
+    return list(dict.fromkeys(ids))
+
+
 def run_prefix(run_name: str) -> str:
     """Names the run's streams and group keys (hivemind allows no '.' or '-' in them)."""
     return "dp_" + hashlib.sha256(run_name.encode()).hexdigest()[:16]
@@ -153,7 +163,7 @@ def probe_reachability(
         with contextlib.suppress(Exception):  # an address without a TCP port
             port = int(maddr.value_for_protocol("tcp"))
             break
-    servers = list(dict.fromkeys(Multiaddr(a).value_for_protocol("p2p") for a in swarm))
+    servers = initial_peer_ids(swarm)
     verdict = reachability.Verdict("unknown", "no port or no swarm peer to ask")
     if port and servers:
         try:

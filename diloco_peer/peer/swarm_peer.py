@@ -37,6 +37,7 @@ from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.reachability import Verdict
+from diloco_peer.coordinator_free.rejoin import Rejoiner
 from diloco_peer.coordinator_free.update_log import UpdateLog
 from diloco_peer.identity import Identity
 from diloco_peer.peer import peer_checkpoint
@@ -51,6 +52,7 @@ from diloco_peer.peer.network import (
     agree_on_manifest,
     allowed_by,
     become_reachable,
+    initial_peer_ids,
     load_allowlist,
     open_node,
     run_prefix,
@@ -119,6 +121,7 @@ class SwarmPeer:
         self.node: Node | None = None
         self.net: Network | None = None
         self.heartbeat: Heartbeat | None = None
+        self.rejoiner: Rejoiner | None = None
         self.metrics: MetricsServer | None = None
         self.tensorboard = TensorBoard(None)
         self._ready = False  # set once start() succeeded: only then may shutdown() checkpoint
@@ -185,6 +188,8 @@ class SwarmPeer:
         self.heads.publish()
         self.heartbeat = Heartbeat(self.heads.publish, self._paused)
         self.heartbeat.start()
+        self.rejoiner = self.heads.rejoiner(initial_peer_ids(self.spec.swarm), self.events)
+        self.rejoiner.start()  # the DHT is whole again after a network partition (rejoin.py)
         self._start_metrics()
         self._ready = True
         self.events.emit(
@@ -445,7 +450,7 @@ class SwarmPeer:
                     log.debug("could not announce leaving: %s", e)
                 self._emit_stop()
         finally:
-            for part in (self.heartbeat, self.metrics):
+            for part in (self.heartbeat, self.rejoiner, self.metrics):
                 if part is not None:
                     part.shutdown()
             self.tensorboard.close()
