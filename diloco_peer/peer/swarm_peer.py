@@ -324,7 +324,7 @@ class SwarmPeer:
         choice = self.heads.view().choose_head()
         if choice is None:
             return False
-        moved = self.catching_up.run(choice)
+        moved = self.catching_up.run(choice, probe_fork=self.ledger.owns(self.state.version))
         if moved is None:
             return False
         self.counters.wait_s += moved.seconds
