@@ -9,6 +9,8 @@
         sent, received = a.tx_bytes(), a.rx_bytes()             # bytes on a's wire
         dropped = lab.drops(a)                                  # packets its shaping dropped
         a = lab.reshape(a, up_mbit=1000, down_mbit=1000)        # new rates, same processes
+        lab.partition([a, b])                                   # a and b reach only each other
+        lab.heal()                                              # one network again
 
 Each host is a network namespace with one interface, `eth0`, holding a private address of the
 lab's subnet (10.213.0.0/24, first host .1), plus its own loopback. Every `eth0` is one end of a
@@ -20,6 +22,14 @@ Link rates are token-bucket filters (`tc qdisc ... tbf`): the host's upload shap
 egress, its download the egress of its bridge port. A rate of None leaves that direction at veth
 speed. `lab.reshape(host, up_mbit=, down_mbit=)` changes a host's rates while its processes run
 (`tc qdisc replace`), so one set of processes can be measured at several rates.
+
+`lab.partition(side, ...)` splits the network as a cut cable between two sites would: each side
+named gets a bridge of its own in the hub (its hosts' ports move there), hosts named in no side
+stay on the first bridge. A host then reaches only the hosts of its side; packets to the others
+vanish without an error, so open TCP connections across the cut stall (and retransmit) rather
+than close, as in a real split. `lab.heal()` moves every port back to the first bridge: the
+stalled connections deliver again once TCP retransmits. Link shaping lives on the hosts' own
+devices and ports, so it is untouched by either.
 
 `inbound=False` emulates a router that refuses unsolicited connections: TCP segments with SYN and
 without ACK headed for the host are dropped at its bridge port (a `u32` filter steering them to a
@@ -39,6 +49,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +152,8 @@ class NetLab:
         self.prefix = prefix
         self.hub = f"{prefix}-hub"
         self.hosts: list[Host] = []
+        self.sides = 0
+        """Bridges beyond the first (`partition`): 0 while the network is whole."""
         self.remove_stale(prefix)
         try:
             _run("ip", "netns", "add", self.hub)
@@ -224,6 +237,39 @@ class NetLab:
             _tbf_drops(["ip", "netns", "exec", self.hub], f"v{index + 1}"),
         )
 
+    def partition(self, *sides: Sequence[Host]) -> None:
+        """Cut the network: each of `sides` reaches only itself; hosts in no side stay together
+        on the first bridge. Replaces an earlier partition (heal first, then cut anew)."""
+        ports = [[self._port(host) for host in side] for side in sides if side]
+        flat = [port for side in ports for port in side]
+        if len(set(flat)) != len(flat):
+            raise ValueError("a host may be on one side of a partition only")
+        self.heal()
+        for number, side in enumerate(ports, start=1):
+            bridge = f"br{number}"
+            _run("ip", "-n", self.hub, "link", "add", bridge, "type", "bridge")
+            self.sides = number
+            _run("ip", "-n", self.hub, "link", "set", bridge, "up")
+            for port in side:
+                _run("ip", "-n", self.hub, "link", "set", port, "master", bridge)
+
+    def heal(self) -> None:
+        """Join every side of a partition again (a no-op while the network is whole)."""
+        if self.sides == 0:
+            return
+        for index in range(len(self.hosts)):
+            _run("ip", "-n", self.hub, "link", "set", f"v{index + 1}", "master", "br0")
+        for number in range(self.sides, 0, -1):
+            _run("ip", "-n", self.hub, "link", "del", f"br{number}")
+            self.sides = number - 1
+
+    def _port(self, host: Host) -> str:
+        """The name of `host`'s bridge port in the hub."""
+        index = next((i for i, h in enumerate(self.hosts) if h.netns == host.netns), None)
+        if index is None:
+            raise NetLabError(f"{host.netns} is not a host of this lab")
+        return f"v{index + 1}"
+
     def _shape_port(self, port: str, down: float | None, inbound: bool) -> None:
         tc = ["ip", "netns", "exec", self.hub, "tc"]
         if inbound:
@@ -249,6 +295,7 @@ class NetLab:
         """Delete every namespace of this lab (idempotent). Stop its processes first."""
         self.remove_stale(self.prefix)
         self.hosts = []
+        self.sides = 0
 
     @staticmethod
     def remove_stale(prefix: str) -> None:

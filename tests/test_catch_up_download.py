@@ -171,3 +171,48 @@ def test_it_replays_only_while_the_missed_updates_cost_less_than_the_state(
         choice(["d1"])
     )
     assert [c[0] for c in downloads.calls] == (["update", "single"] if replays else ["single"])
+
+
+class ForkProbe(FakeDownloads):
+    """The donors' log holds the update they applied to version 1, starting from `base_hash`
+    (None: they no longer hold it)."""
+
+    def __init__(self, base_hash: str | None) -> None:
+        super().__init__(blob(WANT), {})
+        self.base_hash = base_hash
+
+    def update(self, donor: str, base_version: int) -> bytes:
+        self.calls.append(("update", donor, str(base_version)))
+        if self.base_hash is None:
+            raise StateTransferFailed("not in my log", kind=TransferFailure.REFUSED)
+        return UpdateRecord(
+            base_version=base_version, base_hash=self.base_hash, result_hash="e" * 64, count=2,
+            shard_samples={0: 8}, average=(torch.zeros(4),),
+        ).to_bytes()  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("base_hash", "lost"), [("f" * 64, True), ("0" * 64, False), (None, False)],
+    ids=["other-branch", "our-branch", "unknown"],
+)  # fmt: skip
+def test_before_a_download_one_update_tells_whether_our_own_version_lost_a_fork(
+    base_hash: str | None, lost: bool
+) -> None:
+    # a partition: our side committed version 1 itself, the other side reached version 5 on
+    # another branch; the state costs less than 4 updates, so catch-up downloads it
+    downloads = ForkProbe(base_hash)
+    part = CatchUp(FakeReplica(blob_bytes=40), downloads, me="me", keep_updates=8)  # type: ignore[arg-type]
+    moved = part.run(choice(["d1", "d2"]), probe_fork=True)
+    assert moved is not None and moved.method == "download" and moved.lost_fork is lost
+    probes = [c for c in downloads.calls if c[0] == "update"]
+    assert probes and all(c[2] == "1" for c in probes)  # the update applied to our version
+    assert len(probes) == (2 if base_hash is None else 1)  # a second donor when the first fails
+    assert (moved.bytes > len(WANT)) is (base_hash is not None)  # the probe's bytes count
+    # no own δ at stake, or more versions behind than the logs keep: no probe
+    for probe_fork, keep in ((False, 8), (True, 3)):
+        downloads = ForkProbe("f" * 64)
+        part = CatchUp(FakeReplica(blob_bytes=40), downloads, me="me", keep_updates=keep)  # type: ignore[arg-type]
+        moved = part.run(choice(["d1", "d2"]), probe_fork=probe_fork)
+        assert moved is not None and not moved.lost_fork
+        assert [c[0] for c in downloads.calls] == ["multi"]

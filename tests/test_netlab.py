@@ -93,3 +93,72 @@ def test_reshape_refuses_a_foreign_host_and_bad_rates() -> None:
         with pytest.raises(NetLabError, match="not a host of this lab"):
             lab.drops(stranger)
         assert lab.drops(a) == (0, 0)  # no shaping, nothing dropped
+
+
+# An echo server (argv: address), and a client that holds one connection to it across a cut:
+# it echoes once, then on each stdin line sends a byte and says whether it came back in time.
+_ECHO = """
+import socket, sys, threading
+s = socket.create_server((sys.argv[1], 5202)); print("ready", flush=True)
+def serve(c):
+    while data := c.recv(1024): c.sendall(data)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+_HOLDER = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], 5202), timeout=5)
+for line in sys.stdin:
+    wait_s = float(line)
+    c.settimeout(wait_s); c.sendall(b"x")
+    try:
+        print("echoed" if c.recv(1) == b"x" else "closed", flush=True)
+    except TimeoutError:
+        print("stalled", flush=True)
+"""
+
+
+def _dials(src: Host, dst: Host) -> bool:
+    """Whether `src` can open a TCP connection to the echo server on `dst` within 2 s."""
+    probe = f"import socket; socket.create_connection(({dst.ip!r}, 5202), timeout=2).close()"
+    done = subprocess.run(src.argv([sys.executable, "-c", probe]), capture_output=True, timeout=20)
+    return done.returncode == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_partition_cuts_the_sides_apart_and_heal_joins_them() -> None:
+    with NetLab(prefix="dptest") as lab:
+        a, b, c = (lab.add_host(up_mbit=100) for _ in range(3))
+        servers = [subprocess.Popen(h.argv([sys.executable, "-c", _ECHO, h.ip]),
+                                    stdout=subprocess.PIPE, text=True) for h in (a, c)]  # fmt: skip
+        holder = None
+        try:
+            for server in servers:
+                assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+            holder = subprocess.Popen(
+                a.argv([sys.executable, "-c", _HOLDER, c.ip]),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            assert holder.stdin is not None and holder.stdout is not None
+
+            def hold(wait_s: float) -> str:
+                holder.stdin.write(f"{wait_s}\n")
+                holder.stdin.flush()
+                return holder.stdout.readline().strip()
+
+            assert hold(5) == "echoed"
+            lab.partition([a, b])  # c alone on the other side
+            assert lab.sides == 1
+            assert _dials(b, a) and not _dials(b, c) and not _dials(c, a)
+            assert hold(2) == "stalled"  # the open connection delivers nothing, and stays open
+            with pytest.raises(ValueError, match="one side"):
+                lab.partition([a], [a, c])
+            lab.heal()
+            assert lab.sides == 0
+            assert hold(20) == "echoed"  # the stalled byte and ours arrive once TCP retransmits
+            assert _dials(b, c) and _dials(c, a)
+            lab.heal()  # whole already: nothing to do
+        finally:
+            for proc in [*servers, *([holder] if holder else [])]:
+                proc.kill()
+                proc.wait(timeout=10)

@@ -157,10 +157,12 @@ def test_the_ledger_merges_pending_and_recontributes_only_the_lost_version() -> 
     assert merged.shard_samples == {1: 20, 0: 40} and merged.steps == 15
     assert ledger.pending is None
     ledger.last_own = (6, fresh)
+    assert ledger.owns(6) and not ledger.owns(5)
     assert not ledger.recontribute(5)  # another version lost: not ours
     assert ledger.recontribute(6)
     assert ledger.pending is fresh and ledger.last_own is None
     assert not ledger.recontribute(6)  # only once
+    assert not ledger.owns(6)
 
 
 @pytest.mark.timeout(60)

@@ -145,6 +145,19 @@ def test_a_sync_round_without_a_group_keeps_the_delta() -> None:
     assert heads.book.absent == {}  # late is not gone: nobody is marked absent
 
 
+def test_a_kept_delta_joins_a_delta_that_lost_a_fork_meanwhile() -> None:
+    # the catch-up just before the group search found our last branch lost: that δ went into
+    # the ledger after ours was taken; a failed group must keep both, not ours alone
+    part, _, _, _ = make_round(FakeAverager(NoGroup("nobody came")), {OTHER: {}})
+    mine, lost = delta(base=1), delta(base=0)
+    part.ledger.pending = lost
+    part.replica.state.version = 1
+    assert part.run(mine, loss=2.0, t0=0.0).status is RoundStatus.KEPT
+    kept = part.ledger.pending
+    assert kept is not None and kept.steps == 20 and kept.base_version == 0
+    assert torch.equal(kept.delta[0], torch.full((4,), 1.0))
+
+
 def test_a_failed_all_reduce_keeps_the_delta() -> None:
     part, replica, _, events = make_round(FakeAverager(AllReduceFailed("reducer gone")),
                                           {OTHER: {}})  # fmt: skip

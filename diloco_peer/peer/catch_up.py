@@ -104,8 +104,13 @@ class CatchUp:
         self.replica, self.downloads = replica, downloads
         self.me, self.keep_updates = me, keep_updates
 
-    def run(self, choice: HeadChoice) -> CaughtUp | None:
-        """Move to `choice`; None (the replica unchanged) if no donor gave the chosen state."""
+    def run(self, choice: HeadChoice, *, probe_fork: bool = False) -> CaughtUp | None:
+        """Move to `choice`; None (the replica unchanged) if no donor gave the chosen state.
+
+        `probe_fork`: our own δ produced our version, and goes into the swarm again if that
+        version's branch lost. A replay finds that out as it goes; before a full download, one
+        update from a donor does (`_forked`), so that a peer whose branch fell behind by several
+        versions during a partition still contributes its δ again."""
         donors = list(choice.donors)
         random.Random(f"{self.me}/{choice.version}").shuffle(donors)
         state, t0 = self.replica.state, time.time()
@@ -116,7 +121,8 @@ class CatchUp:
         full_bytes = len(blob.data) if blob is not None else 0
         horizon = min(self.keep_updates, replay_horizon(model_bytes, full_bytes))
         moved: tuple[str, str, int] | None = None  # method, donor, bytes
-        if 0 < missed <= horizon:  # the donors keep these (update_log.log_capacity)
+        replay = 0 < missed <= horizon  # the donors keep these (update_log.log_capacity)
+        if replay:
             for donor in donors[:REPLAY_DONORS]:
                 outcome, nbytes = self._replay(donor, choice.version, choice.state_hash)
                 if outcome is Replay.DONE:
@@ -125,13 +131,16 @@ class CatchUp:
                 if outcome is Replay.FORK:
                     lost_fork = True
                     break
+        probed = 0
+        if moved is None and probe_fork and not replay and 0 < missed <= self.keep_updates:
+            lost_fork, probed = self._forked(donors, old_version)
         if moved is None:
             moved = self._download(donors, choice)
         if moved is None:
             return None
         self.replica.snapshot()
         method, donor, nbytes = moved
-        return CaughtUp(method, donor, nbytes, time.time() - t0, old_version, lost_fork)
+        return CaughtUp(method, donor, probed + nbytes, time.time() - t0, old_version, lost_fork)
 
     def _replay(self, donor: str, top: int, want: str) -> tuple[Replay, int]:
         """Replay updates from our version up to `top` from `donor`'s log, with the bytes it
@@ -163,6 +172,25 @@ class CatchUp:
         for record in replayed:
             replica.keep(record)
         return Replay.DONE, nbytes
+
+    def _forked(self, donors: list[str], version: int) -> tuple[bool, int]:
+        """Whether our state at `version` is off the branch of the head's donors (the update
+        they applied to their `version` starts from another hash than ours), with the bytes
+        that took. False when no donor tells (its log no longer holds that update, or it
+        failed): a δ is never contributed twice on a guess."""
+        shapes = [tuple(t.shape) for t in self.replica.state.theta]
+        mine, nbytes = self.replica.state.hash(), 0
+        for donor in donors[:REPLAY_DONORS]:
+            try:
+                data = self.downloads.update(donor, version)
+                nbytes += len(data)
+                record = UpdateRecord.from_bytes(data, shapes=shapes)
+            except (StateTransferFailed, ValueError, ConfigError) as e:
+                log.info("[%s] fork probe at %s failed: %s", self._tag(), donor[-6:], e)
+                continue
+            if record.base_version == version:
+                return record.base_hash != mine, nbytes
+        return False, nbytes
 
     def _download(self, donors: list[str], choice: HeadChoice) -> tuple[str, str, int] | None:
         """The full state: from all donors at once in ranges first; from one donor at a time if

@@ -8,15 +8,17 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hivemind.dht import DHT
 
 from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free.rejoin import Rejoiner
 from diloco_peer.coordinator_free.swarm_view import HEAD_TTL_S, HeadBook, SwarmView
 from diloco_peer.identity import Identity
 from diloco_peer.lifecycle import BackgroundPart, ready_now
+from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.faults import FaultPlan
 from diloco_peer.peer.replica import Replica
 from diloco_peer.peer.telemetry import Counters
@@ -134,6 +136,22 @@ class HeadChannel:
     def view(self) -> SwarmView:
         """The swarm as this peer sees it now (one DHT read)."""
         return SwarmView(self.me, self._replica.version, self._replica.published_hash, self.live())
+
+    def rejoiner(self, initial: Sequence[str], events: EventLog) -> Rejoiner:
+        """A `Rejoiner` for this peer's DHT that knows the heads this channel read, and writes a
+        `dht_rejoin` event (with the peers that came back) when it mended the routing table."""
+
+        def rejoined(peers: list[str]) -> None:
+            log.info("[%s round=%d] DHT: %d peer(s) back in the routing table", self.me[-6:],
+                     self._replica.version, len(peers))  # fmt: skip
+            events.emit(
+                "dht_rejoin", version=self._replica.version,
+                state_hash=self._replica.published_hash, group_size=0,
+                loss=self._counters.last_loss, peers=peers,
+            )  # fmt: skip
+
+        return Rejoiner(self._dht, self.me, initial=initial, heads=lambda: self.book.seen,
+                        on_rejoined=rejoined, timeout_s=DHT_TIMEOUT_S)  # fmt: skip
 
 
 class Heartbeat(BackgroundPart):

@@ -50,17 +50,22 @@ REACHABILITY_TIMEOUT_S = 10.0
 """A joiner's dial-back probe (reachability.py): at most this long before it trains."""
 
 
-def start_lifeline(key: bytes, tmp: Path, me: str) -> Lifeline:
+def start_lifeline(identity: Identity, tmp: Path) -> tuple[Lifeline, Path]:
     """The watcher that ends this peer's DHT process and daemon with it and removes `tmp`
-    (lifeline.py), once what a dead previous run with this key left behind is ended."""
+    (lifeline.py), once what a dead previous run with this key left behind is ended; and the
+    key file for the daemon, in `tmp`."""
     line = Lifeline.start()
     line.watch_path(tmp)
     line.own_folder(tmp)
+    key = identity.to_bytes()
     ended = end_orphans(key)
     if ended:
         log.warning("[%s] ended %d process(es) that a killed earlier run with this key left "
-                    "running", me, ended)  # fmt: skip
-    return line
+                    "running", identity.peer_id_str[-6:], ended)  # fmt: skip
+    key_path = tmp / "identity.key"
+    key_path.write_bytes(key)
+    key_path.chmod(0o600)
+    return line, key_path
 
 
 def load_allowlist(path: str | None, run_name: str, peer_id: str) -> Allowlist | None:
@@ -85,6 +90,16 @@ def allowed_by(allowlist: Allowlist | None, owner_peer_id: str) -> Callable[[str
             f"{owner_peer_id}"
         )
     return allowlist.allows
+
+
+def initial_peer_ids(swarm: Sequence[str]) -> list[str]:
+    """The peer ids (base58) in `join --swarm` multiaddrs, each once (checked by the DHT at
+    start: every multiaddr there names its peer)."""
+    ids = []
+    for maddr in swarm:
+        with contextlib.suppress(Exception):  # a multiaddr without /p2p/
+            ids.append(Multiaddr(maddr).value_for_protocol("p2p"))
+    return list(dict.fromkeys(ids))
 
 
 def run_prefix(run_name: str) -> str:
@@ -159,22 +174,13 @@ def agree_on_manifest(
     if founding is None:
         pinned = owner or (stored.owner_peer_id if stored is not None else None)
         return records.fetch_manifest(dht, run_name, timeout_s=DHT_TIMEOUT_S, owner=pinned,
-                                      prefer=address_peers(swarm))  # fmt: skip
+                                      prefer=initial_peer_ids(swarm))  # fmt: skip
     run, swarm = founding
     signed = stored or Manifest.create(run_name, run, swarm, identity)
     records.publish_manifest(
         dht, identity, signed, expiration_s=HEAD_TTL_S * 10, timeout_s=DHT_TIMEOUT_S
     )
     return signed
-
-
-def address_peers(addresses: Sequence[str]) -> list[str]:
-    """The peer ids in multiaddrs (`/p2p/ID`), in order; addresses without one are skipped."""
-    out = []
-    for text in addresses:
-        with contextlib.suppress(Exception):  # an address without a /p2p part
-            out.append(Multiaddr(text).value_for_protocol("p2p"))
-    return out
 
 
 def probe_reachability(
@@ -187,7 +193,7 @@ def probe_reachability(
         with contextlib.suppress(Exception):  # an address without a TCP port
             port = int(maddr.value_for_protocol("tcp"))
             break
-    servers = list(dict.fromkeys(address_peers(swarm)))
+    servers = initial_peer_ids(swarm)
     verdict = reachability.Verdict("unknown", "no port or no swarm peer to ask")
     if port and servers:
         try:

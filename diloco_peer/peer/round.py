@@ -78,6 +78,10 @@ class Ledger:
         merged, self.pending = self.pending.merge(fresh), None
         return merged
 
+    def owns(self, version: int) -> bool:
+        """Our own δ produced `version` (and would go into a later group if it lost a fork)."""
+        return self.last_own is not None and self.last_own[0] == version
+
     def recontribute(self, lost_version: int) -> bool:
         """Our branch at `lost_version` lost: the δ that produced it goes into the next group."""
         if self.last_own is None or self.last_own[0] != lost_version:
@@ -256,8 +260,9 @@ class Round:
         return RoundOutcome(status, report)
 
     def keep(self, mine: Contribution, why: str, t0: float) -> RoundOutcome:
-        """The δ waits for the next group (stale but not lost)."""
-        self.ledger.pending = mine
+        """The δ waits for the next group (stale but not lost), with anything pending since it
+        was taken (a δ of ours whose branch lost a fork while we looked for a group)."""
+        self.ledger.add(mine)
         self.activity.idle()
         self.events.emit(
             "round_failed", version=self.replica.version, state_hash=self.replica.state.hash(),

@@ -37,6 +37,7 @@ from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.reachability import Verdict
+from diloco_peer.coordinator_free.rejoin import Rejoiner
 from diloco_peer.coordinator_free.update_log import UpdateLog
 from diloco_peer.identity import Identity
 from diloco_peer.lifeline import Lifeline
@@ -52,6 +53,7 @@ from diloco_peer.peer.network import (
     agree_on_manifest,
     allowed_by,
     become_reachable,
+    initial_peer_ids,
     load_allowlist,
     open_node,
     run_prefix,
@@ -121,6 +123,7 @@ class SwarmPeer:
         self.node: Node | None = None
         self.net: Network | None = None
         self.heartbeat: Heartbeat | None = None
+        self.rejoiner: Rejoiner | None = None
         self.metrics: MetricsServer | None = None
         self.lifeline: Lifeline | None = None
         self.tensorboard = TensorBoard(None)
@@ -156,11 +159,7 @@ class SwarmPeer:
         ckpt = peer_checkpoint.checkpoint_path(self.spec.checkpoint_dir, self.spec.run_name)
         if ckpt is not None and not ckpt.exists():  # bad input fails before the network starts
             peer_checkpoint.check_writable(ckpt, self.peer_id)
-        self.lifeline = start_lifeline(self.identity.to_bytes(), Path(self._tmp.name),
-                                       self.peer_id[-6:])  # fmt: skip
-        key_path = Path(self._tmp.name) / "identity.key"
-        key_path.write_bytes(self.identity.to_bytes())
-        key_path.chmod(0o600)
+        self.lifeline, key_path = start_lifeline(self.identity, Path(self._tmp.name))
         allowlist = load_allowlist(self.spec.allowlist, self.spec.run_name, self.peer_id)
         allowed = None if allowlist is None else allowlist.peer_ids
         validators = records.record_validators(self.identity, self.spec.run_name, allowed)
@@ -193,6 +192,8 @@ class SwarmPeer:
         self.heads.publish()
         self.heartbeat = Heartbeat(self.heads.publish, self._paused)
         self.heartbeat.start()
+        self.rejoiner = self.heads.rejoiner(initial_peer_ids(self.spec.swarm), self.events)
+        self.rejoiner.start()  # the DHT is whole again after a network partition (rejoin.py)
         self._start_metrics()
         self._ready = True
         self.events.emit(
@@ -327,7 +328,7 @@ class SwarmPeer:
         choice = self.heads.view().choose_head()
         if choice is None:
             return False
-        moved = self.catching_up.run(choice)
+        moved = self.catching_up.run(choice, probe_fork=self.ledger.owns(self.state.version))
         if moved is None:
             return False
         self.counters.wait_s += moved.seconds
@@ -453,7 +454,7 @@ class SwarmPeer:
                     log.debug("could not announce leaving: %s", e)
                 self._emit_stop()
         finally:
-            for part in (self.heartbeat, self.metrics):
+            for part in (self.heartbeat, self.rejoiner, self.metrics):
                 if part is not None:
                     part.shutdown()
             self.tensorboard.close()
