@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -731,3 +732,21 @@ def test_a_node_without_validators_times_out_instead_of_hanging(swarm: Swarm) ->
     )  # fmt: skip
     with pytest.raises(SwarmTimeout, match="did not finish within 1.5 s"):
         read_heads(swarm.dhts["m"], RUN, timeout_s=1.5)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(60)
+def test_peers_store_the_manifest_again_before_the_owners_copy_expires(swarm: Swarm) -> None:
+    from diloco_peer.peer.heads import ManifestKeeper
+
+    a, b, c = (swarm.dhts[n] for n in "abc")
+    id_a, id_b = swarm.ids["a"], swarm.ids["b"]
+    run = "long-run"
+    signed = Manifest.create(run, RunSpec(), SwarmSettings(), id_a)
+    assert publish_manifest(a, id_a, signed, expiration_s=2, timeout_s=10)  # expires soon
+    keeper = ManifestKeeper(signed, id_b, refresh_s=0.5)
+    assert not keeper.refresh(b)  # not due yet
+    time.sleep(0.6)
+    assert keeper.refresh(b)  # b's copy: the owner's signed manifest, under b's key
+    time.sleep(2.5)  # the owner's own copy has expired by now
+    assert fetch_manifest(c, run, timeout_s=10) == signed

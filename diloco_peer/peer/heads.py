@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from hivemind.dht import DHT
 
 from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free.manifest import SignedManifest
 from diloco_peer.coordinator_free.rejoin import Rejoiner
 from diloco_peer.coordinator_free.swarm_view import HEAD_TTL_S, HeadBook, SwarmView
 from diloco_peer.identity import Identity
@@ -56,6 +57,37 @@ class Facts:
     resources: Callable[[], dict[str, float | None]]
 
 
+MANIFEST_EXPIRATION_S = HEAD_TTL_S * 10
+"""How long a stored copy of the run's manifest lives in the DHT."""
+MANIFEST_REFRESH_S = MANIFEST_EXPIRATION_S / 4
+"""How often each peer stores its copy again (with the heartbeat)."""
+
+
+class ManifestKeeper:
+    """Stores the owner's signed manifest again (under this peer's key) before the copies in
+    the DHT expire, so that peers can join for as long as the swarm lives, its founder gone or
+    not. Called with each heartbeat; stores at most every `refresh_s`."""
+
+    def __init__(
+        self, manifest: SignedManifest, identity: Identity, refresh_s: float = MANIFEST_REFRESH_S
+    ) -> None:
+        self.manifest, self._identity, self.refresh_s = manifest, identity, refresh_s
+        self._stored_at = time.monotonic()  # the founder stored it at start; a joiner fetched it
+
+    def refresh(self, dht: DHT) -> bool:
+        """Store it if `refresh_s` passed since the last time; whether it was stored."""
+        if time.monotonic() - self._stored_at < self.refresh_s:
+            return False
+        try:
+            records.publish_manifest(dht, self._identity, self.manifest,
+                                     expiration_s=MANIFEST_EXPIRATION_S, timeout_s=DHT_TIMEOUT_S)  # fmt: skip
+        except records.SwarmTimeout as e:
+            log.warning("[%s] storing the manifest again: %s", self._identity.peer_id_str[-6:], e)
+            return False
+        self._stored_at = time.monotonic()
+        return True
+
+
 class HeadChannel:
     """Publishes this peer's head and reads the others' (every wait bounded: DHT_TIMEOUT_S)."""
 
@@ -71,8 +103,10 @@ class HeadChannel:
         activity: Activity,
         facts: Facts,
         faults: FaultPlan,
+        manifest: SignedManifest | None = None,
     ) -> None:
         self._dht, self._identity, self._run = dht, identity, run_name
+        self._manifest = None if manifest is None else ManifestKeeper(manifest, identity)
         self._allow, self._replica, self._counters = allow, replica, counters
         self._activity, self._facts, self._faults = activity, facts, faults
         self.me = identity.peer_id_str
@@ -112,6 +146,8 @@ class HeadChannel:
             )  # fmt: skip
         except records.SwarmTimeout as e:
             log.warning("[%s round=%d] %s", self.me[-6:], self._replica.version, e)
+        if self._manifest is not None and not leaving:
+            self._manifest.refresh(dht)
 
     def live(self) -> dict[str, records.PeerHead]:
         """Read the heads into the book; the live ones (HeadBook.live)."""

@@ -31,7 +31,6 @@ from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest
 from diloco_peer.coordinator_free.reachability import DialBackServer
 from diloco_peer.coordinator_free.state_transfer import StateBlob, StateServer
-from diloco_peer.coordinator_free.swarm_view import HEAD_TTL_S
 from diloco_peer.errors import BadInput, P2PServiceStopped
 from diloco_peer.identity import Identity
 from diloco_peer.lifeline import Lifeline, end_orphans
@@ -39,7 +38,7 @@ from diloco_peer.p2p.dht import PeerDHT
 from diloco_peer.p2p.service import P2PService
 from diloco_peer.peer.catch_up import SwarmDownloads
 from diloco_peer.peer.faults import FaultPlan
-from diloco_peer.peer.heads import DHT_TIMEOUT_S
+from diloco_peer.peer.heads import DHT_TIMEOUT_S, MANIFEST_EXPIRATION_S
 from diloco_peer.peer.trust import Guard
 
 log = logging.getLogger(__name__)
@@ -178,7 +177,7 @@ def agree_on_manifest(
     run, swarm = founding
     signed = stored or Manifest.create(run_name, run, swarm, identity)
     records.publish_manifest(
-        dht, identity, signed, expiration_s=HEAD_TTL_S * 10, timeout_s=DHT_TIMEOUT_S
+        dht, identity, signed, expiration_s=MANIFEST_EXPIRATION_S, timeout_s=DHT_TIMEOUT_S
     )
     return signed
 

@@ -223,7 +223,7 @@ class SwarmPeer:
         self.heads = HeadChannel(
             lambda: self.node.dht if self.node else None, self.identity, spec.run_name,
             allow=self._allowed, replica=self.replica, counters=self.counters,
-            activity=self.activity, facts=facts, faults=self.faults,
+            activity=self.activity, facts=facts, faults=self.faults, manifest=self.signed,
         )  # fmt: skip
         self.phase = Phase(
             self.training, run=run, swarm=swarm, me=self.peer_id, pinned_shard=spec.shard,
