@@ -100,6 +100,8 @@ class Churn:
     orphan_checks: list[tuple[float, int, dict[str, Any]]] = dataclasses.field(default_factory=list)
     partition: dict[str, Any] = dataclasses.field(default_factory=dict)
     hangs: list[str] = dataclasses.field(default_factory=list)
+    failures: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Incarnations that exited by themselves (not a planned crash): each is started again."""
 
     def start(self, peer: int, fault: str = "") -> Incarnation:
         n = sum(1 for inc in self.all if inc.peer == peer)
@@ -216,6 +218,14 @@ def plan(args: argparse.Namespace, rng: random.Random) -> list[dict[str, Any]]:
     return out
 
 
+def take(schedule: list[dict[str, Any]], trigger: str) -> dict[str, Any]:
+    """Remove and return the first planned crash of this trigger (a fallback if none is left)."""
+    for i, crash in enumerate(schedule):
+        if crash["trigger"] == trigger:
+            return schedule.pop(i)
+    return {"trigger": trigger, "how": "main"}
+
+
 def _rounds(inc: Incarnation) -> list[dict[str, Any]]:
     return [e for e in read_log(inc.log) if e["event"] == "round"]
 
@@ -264,27 +274,29 @@ def drive(churn: Churn, schedule: list[dict[str, Any]], part_at: int) -> bool:
                     inc.kill_at = now + churn.rng.uniform(0.2, 1.5)
                 elif 0 <= inc.kill_at <= now:
                     inc.kill_at = None
-                    churn.crash(inc, schedule.pop(0)["how"], "download")
+                    churn.crash(inc, take(schedule, "download")["how"], "download")
             elif inc.proc.poll() is not None:
                 if inc.fault == "in-group" and inc.proc.returncode == -signal.SIGKILL:
-                    churn.record_crash(inc, schedule.pop(0)["how"], "in-group", now)
-                else:
+                    churn.record_crash(inc, take(schedule, "in-group")["how"], "in-group", now)
+                else:  # it failed by itself: counted, and started again as a volunteer would
                     say(f"{inc.name} exited with {inc.proc.returncode}")
+                    churn.failures.append({"incarnation": inc.name, "code": inc.proc.returncode})
                     del churn.live[inc.peer]
+                    churn.restarts.append((now + 5.0, inc.peer, inc.fault))
         # the next random crash
-        waiting = schedule and schedule[0]["trigger"] == "random"
-        if waiting and not late and part_end is None and now >= quiet_until:
-            crash = schedule[0]
+        crash = next((c for c in schedule if c["trigger"] == "random"), None)
+        if crash is not None and not late and part_end is None and now >= quiet_until:
             if version >= crash["version"]:
                 due = due or now + crash["delay_s"]
                 victims = [inc for inc in churn.live.values() if inc.peer != 0 and not inc.fault
                            and inc.kill_at is None and inc.proc.poll() is None and _rounds(inc)]  # fmt: skip
                 if now >= due and victims:
-                    schedule.pop(0)
+                    at = schedule.index(crash)
+                    schedule.pop(at)
                     due = None
                     victim = churn.rng.choice(victims)
                     churn.crash(victim, crash["how"], "random")
-                    follow = schedule[0]["trigger"] if schedule else "random"
+                    follow = schedule[at]["trigger"] if at < len(schedule) else "random"
                     if follow != "random":  # its next incarnation crashes in its own way
                         at, peer, _ = churn.restarts[-1]
                         churn.restarts[-1] = (at, peer, follow)
@@ -373,7 +385,7 @@ def report(churn: Churn, finished: bool, settings: Any, wall_s: float, left: lis
         "restarts": len(restarts), "rejoined": sum(r["rejoined"] for r in restarts),
         "rejoin_s": sorted(r["start_s"] for r in restarts if r["start_s"] is not None),
         "active_s": sorted(r["active_s"] for r in restarts if r["active_s"] is not None),
-        "orphans_after_5s": orphans, "left_at_end": left,
+        "orphans_after_5s": orphans, "left_at_end": left, "failed_by_themselves": churn.failures,
         "hangs": churn.hangs,
         "longest_gap_s": round(longest, 1), "gap_bound_s": round(bound, 1),
         "forks": forks,
@@ -406,7 +418,7 @@ def markdown(doc: dict[str, Any]) -> str:
         ("seconds from restart to first round or catch-up: median / worst",
          f"{statistics.median(a):.1f} / {max(a):.1f}" if a else "-"),
         ("orphaned processes 5 s after a crash; left at the end", f"{doc['orphans_after_5s']}; {len(doc['left_at_end'])}"),
-        ("hangs", len(doc["hangs"])),
+        ("hangs; incarnations that exited by themselves", f"{len(doc['hangs'])}; {len(doc['failed_by_themselves'])}"),
         ("longest gap between commits (bound: sync + all-reduce timeout + one phase)",
          f"{doc['longest_gap_s']} s ({doc['gap_bound_s']} s)"),
         ("forks; most rounds to heal", f"{len(doc['forks'])}; "
