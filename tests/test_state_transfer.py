@@ -16,6 +16,7 @@ leave mid-download. Every node is shut down in `finally`.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -572,6 +573,9 @@ class Swarm:
     truth: StateBlob
     calls: Counter[tuple[str, str]]
     """(run, node) -> requests its `provide` answered (ranged ones: one per range)."""
+    sent: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """(run, node) -> data bytes a paced donor handed to its stream (`paced`): an upper bound
+    on what the requester received from it (a frame is counted before it is sent)."""
 
     def ids(self, *names: str) -> list[str]:
         return [self.nodes[name].service.peer_id for name in names]
@@ -608,6 +612,59 @@ def leaves_at(truth: StateBlob, call: int, node: list[Node]) -> Callable[[], Sta
     return provide
 
 
+PACED_FRAME = 64 << 10
+"""The paced donors' data frames: a 4 MiB range takes 64 of them."""
+FAST_FRAME_S = 0.01
+"""The other paced donors' pause before each frame: ~6 MB/s a stream, as over a WAN."""
+SLOW_FRAME_S = 0.1
+"""The slow donor's pause before each frame: ~0.65 MB/s a stream, a tenth of the others."""
+STALL_FOR_S = 10.0
+"""How long the stalling donor stops mid-answer: longer than the download that meets it may
+take (and short enough to be over, most often, when the swarm fixture shuts down)."""
+
+
+SHARED_LINK_BYTES_S = 20e6
+"""The requester's own link in the "shared" runs: every donor's frames go through it."""
+
+
+class Link:
+    """A link that frames cross one after the other at `bytes_s` (all in one event loop: the
+    donors of the swarm fixture share the requester's process, hence its loop)."""
+
+    def __init__(self, bytes_s: float) -> None:
+        self.bytes_s = bytes_s
+        self.free_at_s = 0.0
+
+    async def cross(self, length: int) -> None:
+        now_s = time.monotonic()
+        self.free_at_s = max(now_s, self.free_at_s) + length / self.bytes_s
+        await asyncio.sleep(self.free_at_s - now_s)
+
+
+def paced(
+    sent: Counter[tuple[str, str]],
+    key: tuple[str, str],
+    pause_s: float,
+    stall_answer: int = 0,
+    link: Link | None = None,
+) -> Callable[[int, int, int], Awaitable[None]]:
+    """A StateServer `pace` that counts the bytes the donor sends into `sent[key]`, waits
+    `pause_s` before each frame (or for its turn on `link`), and, in its `stall_answer`-th answer
+    (1-based; 0: none), stops for STALL_FOR_S after that answer's first frame (the donor stalls
+    mid-range)."""
+
+    async def pace(answer: int, offset: int, length: int) -> None:
+        if answer == stall_answer and offset == PACED_FRAME:
+            await asyncio.sleep(STALL_FOR_S)
+        if pause_s:
+            await asyncio.sleep(pause_s)
+        if link is not None:
+            await link.cross(length)
+        sent[key] += length
+
+    return pace
+
+
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[Swarm]:
     truth = make_blob(MULTI_VERSION, MULTI_NUMEL, seed=4)
@@ -616,6 +673,20 @@ def swarm() -> Iterator[Swarm]:
         data[offset] ^= 0xFF
     corrupt = StateBlob(version=truth.version, state_hash=truth.state_hash, data=bytes(data))
     calls: Counter[tuple[str, str]] = Counter()
+    sent: Counter[tuple[str, str]] = Counter()
+    link = Link(SHARED_LINK_BYTES_S)
+    pacing = {  # (run, node) -> its `pace`: counted, and slow or stalling for one of them
+        ("slow", "A"): paced(sent, ("slow", "A"), FAST_FRAME_S),
+        ("slow", "B"): paced(sent, ("slow", "B"), FAST_FRAME_S),
+        ("slow", "C"): paced(sent, ("slow", "C"), SLOW_FRAME_S),
+        ("even", "A"): paced(sent, ("even", "A"), FAST_FRAME_S),
+        ("even", "B"): paced(sent, ("even", "B"), FAST_FRAME_S),
+        ("even", "C"): paced(sent, ("even", "C"), FAST_FRAME_S),
+        **{("shared", n): paced(sent, ("shared", n), 0.0, link=link) for n in "ABC"},
+        ("stalling", "A"): paced(sent, ("stalling", "A"), FAST_FRAME_S),
+        ("stalling", "B"): paced(sent, ("stalling", "B"), FAST_FRAME_S),
+        ("stalling", "C"): paced(sent, ("stalling", "C"), FAST_FRAME_S, stall_answer=1),
+    }
     names = ("A", "B", "C", "D")
     dhts: list[DHT] = []
     nodes: dict[str, Node] = {}
@@ -625,6 +696,10 @@ def swarm() -> Iterator[Swarm]:
         #     run        provide                    server class     max_uploads
         "A": [
             ("multi", lambda: truth, StateServer, 4),
+            ("slow", lambda: truth, StateServer, 4),
+            ("even", lambda: truth, StateServer, 4),
+            ("shared", lambda: truth, StateServer, 4),
+            ("stalling", lambda: truth, StateServer, 4),
             ("moving", lambda: truth, StateServer, 4),
             ("hostile", lambda: truth, StateServer, 4),
             ("leaving", lambda: truth, StateServer, 4),
@@ -634,6 +709,10 @@ def swarm() -> Iterator[Swarm]:
         ],
         "B": [
             ("multi", lambda: truth, StateServer, 4),
+            ("slow", lambda: truth, StateServer, 4),
+            ("even", lambda: truth, StateServer, 4),
+            ("shared", lambda: truth, StateServer, 4),
+            ("stalling", lambda: truth, StateServer, 4),
             ("moving", moved_on(truth, after=2), StateServer, 4),
             ("hostile", lambda: truth, StateServer, 4),
             ("leaving", lambda: truth, StateServer, 4),
@@ -643,6 +722,10 @@ def swarm() -> Iterator[Swarm]:
         ],
         "C": [
             ("multi", lambda: truth, StateServer, 4),
+            ("slow", lambda: truth, StateServer, 4),
+            ("even", lambda: truth, StateServer, 4),
+            ("shared", lambda: truth, StateServer, 4),
+            ("stalling", lambda: truth, StateServer, 4),
             ("hostile", lambda: corrupt, StateServer, 4),
         ],
         "D": [("leaving", leaves_at(truth, call=3, node=d_node), StateServer, 4)],
@@ -671,12 +754,20 @@ def swarm() -> Iterator[Swarm]:
                     calls[(run, name)] += 1
                     return provide()
 
-                server = server_class(nodes[name].service, run, counted, max_uploads=max_uploads)
+                pace = pacing.get((run, name))
+                server = server_class(
+                    nodes[name].service,
+                    run,
+                    counted,
+                    max_uploads=max_uploads,
+                    frame_bytes=CHUNK_BYTES if pace is None else PACED_FRAME,
+                    pace=pace,
+                )
                 nodes[name].servers.append(server)
                 server.start()
                 server.wait_until_ready(timeout_s=30)
         assert requester is not None
-        yield Swarm(requester.service, nodes, truth, calls)
+        yield Swarm(requester.service, nodes, truth, calls, sent)
     finally:
         for node in (*nodes.values(), *([requester] if requester else [])):
             node.close()
@@ -825,6 +916,80 @@ def test_donor_leaving_mid_download_costs_only_its_ranges(
     assert f"dropped donor {swarm.ids('D')[0][-6:]}" in caplog.text  # it did leave mid-download
     assert all(n >= 1 for n in swarm.count("leaving", "A", "B"))
     assert time.perf_counter() - started < 20.0
+
+
+def sent_ratio(swarm: Swarm, run: str, before: Counter[tuple[str, str]]) -> float:
+    """Bytes the donors of `run` sent since `before`, over the state's bytes."""
+    sent = sum(n - before[key] for key, n in swarm.sent.items() if key[0] == run)
+    return sent / len(swarm.truth.data)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize(
+    ("run", "range_bytes"),
+    [
+        ("slow", st.RANGE_BYTES),
+        ("slow", RANGE),
+        ("even", st.RANGE_BYTES),
+        ("shared", st.RANGE_BYTES),
+    ],
+    ids=["slow-4MiB", "slow-256KiB", "even-4MiB", "shared-4MiB"],
+)
+def test_end_game_costs_at_most_5_percent_more_bytes(
+    swarm: Swarm, run: str, range_bytes: int
+) -> None:
+    """Three donors at ~6 MB/s a stream, as over a WAN; on run "slow", C (listed first, so it
+    holds ranges from the start) sends 10x slower; on run "shared" the donors are fast and the
+    requester's own link (20 MB/s, shared by all streams) is the bottleneck. The end game fetches
+    again only what C is slow at, cancels C's copy once the other overtakes it, never duplicates
+    a range that flows as well as a fresh copy would, and the donors send at most 1.05x the
+    state. With the download's default ranges (4 of them here: all of it is the end game) and
+    with 64 small ones (a long queue, then the end game). Measured before the end-game rule:
+    slow 1.07x and 1.02-1.05x, even and shared 1.52-1.54x."""
+    before = Counter(swarm.sent)
+    started = time.perf_counter()
+    blob = download_state_multi(
+        swarm.requester, run, swarm.ids("C", "A", "B"), swarm.truth.state_hash,
+        timeout_s=30.0, range_bytes=range_bytes,
+    )  # fmt: skip
+    elapsed_s = time.perf_counter() - started
+    ratio = sent_ratio(swarm, run, before)
+    by_donor = {k[1]: n - before[k] for k, n in swarm.sent.items() if k[0] == run}
+    logger.info(
+        "%s donors, %d-byte ranges: %.4f x the state sent (%s), in %.2f s",
+        run, range_bytes, ratio, by_donor, elapsed_s,
+    )  # fmt: skip
+    assert blob.data == swarm.truth.data
+    assert ratio <= 1.05, ratio
+    # C needs ~6 s for one range at its pace: the others did not wait for C's ranges
+    assert elapsed_s < 5.0, elapsed_s
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(40)
+def test_donor_stalling_mid_range_loses_the_range_to_another(
+    swarm: Swarm, caplog: pytest.LogCaptureFixture
+) -> None:
+    """C stops after the first frame of its first range (for 10 s): once the queue is empty, the
+    rest of that range comes from A or B (C is silent, or far slower than they are), and C's
+    stream is closed. The donors send at most 1.05x the state plus that range (64 ranges of
+    256 KiB, so that C, listed last, gets some)."""
+    caplog.set_level(logging.INFO, logger=st.__name__)
+    before = Counter(swarm.sent)
+    started = time.perf_counter()
+    blob = download_state_multi(
+        swarm.requester, "stalling", swarm.ids("A", "B", "C"), swarm.truth.state_hash,
+        timeout_s=30.0, range_bytes=RANGE, stall_timeout_s=20.0,
+    )  # fmt: skip
+    elapsed_s = time.perf_counter() - started
+    ratio = sent_ratio(swarm, "stalling", before)
+    by_donor = {k[1]: n - before[k] for k, n in swarm.sent.items() if k[0] == "stalling"}
+    logger.info("stalling donor: %.4f x the state sent (%s), in %.2f s", ratio, by_donor, elapsed_s)
+    assert blob.data == swarm.truth.data
+    assert ratio <= 1.05 + RANGE / len(swarm.truth.data), ratio
+    assert f"its copy at {swarm.ids('C')[0][-6:]} is stalled" in caplog.text  # taken from C
+    assert elapsed_s < 5.0, elapsed_s  # not C's 10 s pause, nor the 20 s stall timeout
 
 
 @pytest.mark.multipeer

@@ -40,10 +40,11 @@ requester enforces `max_bytes` on the header before reading any data, checks eve
 what is left, and bounds the whole transfer with one `timeout_s`; the donor bounds each chunk's
 send, so a requester that stops reading is dropped. A multi-donor download also bounds each
 stream's silence (`stall_timeout_s`), so a donor that stops sending loses its range to another
-donor long before the whole download's timeout; see `download_state_multi` for how ranges are
-shared out, re-queued and checked. `allow` sees the requester's libp2p-authenticated peer id (the
-stream's, never a claimed field), which is how a private swarm refuses downloads to peers outside
-its allowlist.
+donor long before the whole download's timeout, and in its end game fetches the rest of a range
+again only from a stalled donor, cancelling the slower copy (endgame.py); see
+`download_state_multi` for how ranges are shared out, re-queued and checked. `allow` sees the
+requester's libp2p-authenticated peer id (the stream's, never a claimed field), which is how a
+private swarm refuses downloads to peers outside its allowlist.
 
 Modules, by job:
 
@@ -53,7 +54,8 @@ Modules, by job:
     transfer.py    one download on one stream, and the time bounds shared by the downloads
     single.py      download_state, download_range, download_update: one donor
     multi.py       download_state_multi: several donors at once, with its fallback
-    multi_job.py   MultiDownload, the multi-donor download's ranges and donors
+    multi_job.py   MultiDownload, the multi-donor download's ranges, copies and donors
+    endgame.py     when a range in flight is fetched again: the pure end-game rule
 """
 
 from diloco_peer.coordinator_free.state_transfer.multi import RANGE_BYTES, download_state_multi

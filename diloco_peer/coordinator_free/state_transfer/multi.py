@@ -25,8 +25,9 @@ RANGE_BYTES = 4 << 20
 """What `download_state_multi` asks one donor for at a time: a few frames, so that a donor that
 leaves costs little to redo, and few enough requests that their round trips cost little."""
 STALL_TIMEOUT_S = 15.0
-"""How long one donor may send nothing (no header, no frame) before its range goes to another
-donor (a donor under ~70 kB/s counts as stalled)."""
+"""How long one stream may receive nothing (no header, no data) before it fails and its range
+goes back to the queue; a range may also take this long per 1 MiB (a donor under ~70 kB/s
+fails). The end game takes a range again much sooner (endgame.py)."""
 MAX_STREAMS_PER_DONOR = 8
 
 
@@ -50,17 +51,20 @@ def download_state_multi(
     into ranges of `range_bytes` that every donor takes from one shared queue, `streams_per_donor`
     at a time, so a faster donor serves more. A range whose donor fails, stalls (nothing for
     `stall_timeout_s`), is busy or has moved on to another state goes back to the queue; the donor
-    is dropped (a busy one is asked again later). When the queue is empty, idle donors also fetch
-    ranges still in flight elsewhere (the first copy wins), so one slow donor does not hold up the
-    end. Fails only when no donor is left or `timeout_s` passes.
+    is dropped (a busy one is asked again later), and the next stream asks only for what is
+    missing of it. When the queue is empty, a free stream fetches the rest of a range in flight
+    elsewhere only if that copy has stalled (endgame.py: silent, or far slower than the free
+    donor); the older copy is cancelled, its stream closed, as soon as the newer one is ahead,
+    and any other copy once one completes the range: a slow donor neither holds up the end nor
+    costs a second copy of its ranges. Fails only when no donor is left or `timeout_s` passes.
 
     Every range is asked for under `state_hash`, and a donor refuses one unless it serves that
     very state, so honest donors' bytes never mix two states; an answer whose version, length or
     hash differs from the first answer's drops its donor (so a first donor that lies about the
     length gets the honest ones dropped: the download fails, and the caller falls back to single
-    donors as below). If no donor understands ranged requests
-    (a build before them answers "bad request"), it falls back to `download_state` from those
-    donors one by one, keeping the first whose claimed hash is `state_hash`.
+    donors as below). If no donor understands ranged requests (a build before them answers "bad
+    request"), it falls back to `download_state` from those donors one by one, keeping the first
+    whose claimed hash is `state_hash`.
 
     The result is only as good as the donors: a hostile donor can send wrong bytes for its ranges
     under the right hash, and nothing at this layer can tell (the state hash is computed over the
@@ -94,12 +98,16 @@ def download_state_multi(
         return _download_whole(service, run, e.donors, state_hash, left_s, max_bytes, on_progress)
     elapsed_s = time.perf_counter() - started
     logger.info(
-        "%s got version %d: %d bytes in %.2f s (%.1f MB/s); ranges per donor: %s",
+        "%s got version %d: %d bytes in %.2f s (%.1f MB/s), %d received (%.3fx), %d ranges "
+        "fetched again; ranges per donor: %s",
         tag,
         version,
         len(data),
         elapsed_s,
         len(data) / 1e6 / max(elapsed_s, 1e-9),
+        job.received,
+        job.received / max(len(data), 1),
+        job.again,
         ", ".join(f"{d[-6:]} {n}" for d, n in job.served.most_common()) or "-",
     )
     return StateBlob(version=version, state_hash=state_hash, data=data)

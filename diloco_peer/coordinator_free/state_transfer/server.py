@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from hivemind.p2p import P2P
@@ -75,6 +75,13 @@ class StateServer(HandlerServer):
     :param updates: called in the loop thread with a base version; returns the serialised
         UpdateRecord from that version (e.g. `UpdateLog.get`), or None if not kept. Without it,
         update requests are refused.
+    :param frame_bytes: the largest data frame sent, at most CHUNK_BYTES (what requesters of
+        every build accept); smaller frames let `pace` act within a range.
+    :param pace: awaited before each data frame with (the answer's number: 1 for this server's
+        first answer with data, then 2, ...; the bytes of it sent so far; the frame's length),
+        within CHUNK_SEND_TIMEOUT_S; None sends as fast as the stream takes them. A handed-in
+        rate limit or fault: tests make a slow donor (a sleep per frame) or one that stops in
+        the middle of an answer (a long sleep) with it.
     """
 
     max_request_bytes: int = MAX_REQUEST_BYTES
@@ -96,6 +103,8 @@ class StateServer(HandlerServer):
         allow: Callable[[str], bool] = lambda peer_id: True,
         max_uploads: int = 4,
         updates: Callable[[int], bytes | None] | None = None,
+        frame_bytes: int = CHUNK_BYTES,
+        pace: Callable[[int, int, int], Awaitable[None]] | None = None,
     ) -> None:
         self._run = check_run(run)
         if not callable(provide) or not callable(allow):
@@ -104,7 +113,17 @@ class StateServer(HandlerServer):
             raise ValueError("updates must be a callable or None")
         if isinstance(max_uploads, bool) or not isinstance(max_uploads, int) or max_uploads < 1:
             raise ValueError(f"max_uploads must be an integer >= 1, got {max_uploads!r}")
+        if (
+            isinstance(frame_bytes, bool)
+            or not isinstance(frame_bytes, int)
+            or not 1 <= frame_bytes <= CHUNK_BYTES
+        ):
+            raise ValueError(f"frame_bytes must be an integer in [1, {CHUNK_BYTES}]")
+        if pace is not None and not callable(pace):
+            raise ValueError("pace must be a callable or None")
         super().__init__(service)
+        self._frame_bytes, self._pace = frame_bytes, pace
+        self._answers = 0  # answers with data so far (loop thread only), for `pace`
         self._provide, self._allow = provide, allow
         self._updates = updates
         self._max_uploads = max_uploads
@@ -151,10 +170,15 @@ class StateServer(HandlerServer):
             header = Header(answer.version, len(answer.data), answer.hash).encode()
             await asyncio.wait_for(P2P.send_raw_data(header, writer), CHUNK_SEND_TIMEOUT_S)
             started = time.perf_counter()
+            self._answers += 1
+            number = self._answers
             # slices share the blob's memory: no copy per range or per chunk
             view = memoryview(answer.data)[answer.start : answer.end]
-            for offset in range(0, len(view), CHUNK_BYTES):
-                chunk = view[offset : offset + CHUNK_BYTES]
+            for offset in range(0, len(view), self._frame_bytes):
+                chunk = view[offset : offset + self._frame_bytes]
+                if self._pace is not None:
+                    paced = self._pace(number, offset, len(chunk))
+                    await asyncio.wait_for(paced, CHUNK_SEND_TIMEOUT_S)
                 await asyncio.wait_for(P2P.send_raw_data(chunk, writer), CHUNK_SEND_TIMEOUT_S)
             await linger(reader)
             logger.log(

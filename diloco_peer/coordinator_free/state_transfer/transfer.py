@@ -40,6 +40,9 @@ CALL_SLACK_S = 5.0
 """Backstop on top of a download's own timeout, for the calling thread's wait on the loop."""
 CANCEL_GRACE_S = 1.0
 """How long a download that timed out gets to end its streams before the caller is answered."""
+PIECE_BYTES = 64 << 10
+"""The most a data read takes off the stream at once: how finely a download sees its progress
+(and a multi-donor download compares two copies of a range, or cancels one)."""
 
 T = TypeVar("T")
 
@@ -196,6 +199,57 @@ async def _open_stream(
     return reader, writer
 
 
+async def open_answer(
+    p2p: P2P,
+    handler_name: str,
+    donor: PeerID,
+    request: bytes,
+    *,
+    stall_timeout_s: float | None = None,
+) -> tuple[Header, asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open a stream to `donor`, send `request` and read the answer's header; the data follows
+    on the reader (`read_data`); the caller closes the writer when done (when this raises, the
+    stream is closed already). `stall_timeout_s` bounds opening the stream, the request and the
+    header."""
+    reader, writer = await _open_stream(p2p, donor, handler_name, stall_timeout_s)
+    try:
+        await within(P2P.send_raw_data(request, writer), stall_timeout_s)
+        first = await within(read_frame(reader, MAX_FIRST_FRAME_BYTES, malformed), stall_timeout_s)
+        return parse_answer(first), reader, writer
+    except BaseException:
+        writer.close()
+        raise
+
+
+async def read_data(
+    reader: asyncio.StreamReader,
+    count: int,
+    on_piece: Callable[[bytes], None],
+    stall_timeout_s: float | None = None,
+) -> None:
+    """The answer's `count` data bytes, in frames of at most CHUNK_BYTES, handed to `on_piece`
+    as they arrive (pieces of at most PIECE_BYTES): a caller sees a frame's progress, and can
+    stop reading in the middle of one. `stall_timeout_s` bounds each piece's wait; a frame's
+    length prefix never sizes an allocation (each piece is at most PIECE_BYTES)."""
+    received = 0
+    while received < count:
+        prefix = await within(reader.readexactly(P2P.HEADER_LEN), stall_timeout_s)
+        length = int.from_bytes(prefix, P2P.BYTEORDER)
+        if length == 0:
+            raise malformed("malformed stream (empty data frame)")
+        if length > min(CHUNK_BYTES, count - received):
+            raise malformed(
+                f"frame of {length} bytes, at most {min(CHUNK_BYTES, count - received)} expected"
+            )
+        while length:
+            piece = await within(reader.read(min(length, PIECE_BYTES)), stall_timeout_s)
+            if not piece:
+                raise EOFError(f"stream ended {length} bytes into a frame")
+            length -= len(piece)
+            received += len(piece)
+            on_piece(piece)
+
+
 async def transfer(
     p2p: P2P,
     handler_name: str,
@@ -211,11 +265,10 @@ async def transfer(
     `span` is its (offset, length): the data is the part of the blob from offset, `length` bytes
     or up to the end. The caller bounds the total time; `stall_timeout_s` bounds opening the
     stream, the header and each frame."""
-    reader, writer = await _open_stream(p2p, donor, handler_name, stall_timeout_s)
+    header, reader, writer = await open_answer(
+        p2p, handler_name, donor, request, stall_timeout_s=stall_timeout_s
+    )
     try:
-        await within(P2P.send_raw_data(request, writer), stall_timeout_s)
-        first = await within(read_frame(reader, MAX_FIRST_FRAME_BYTES, malformed), stall_timeout_s)
-        header = parse_answer(first)
         count = data_bytes(header, max_bytes, span)
         progress.total = count
         received = 0
