@@ -28,8 +28,10 @@ named gets a bridge of its own in the hub (its hosts' ports move there), hosts n
 stay on the first bridge. A host then reaches only the hosts of its side; packets to the others
 vanish without an error, so open TCP connections across the cut stall (and retransmit) rather
 than close, as in a real split. `lab.heal()` moves every port back to the first bridge: the
-stalled connections deliver again once TCP retransmits. Link shaping lives on the hosts' own
-devices and ports, so it is untouched by either.
+stalled connections deliver again once TCP retransmits (what was sent during the cut arrives
+late). `lab.heal(reset_connections=True)` first destroys the connections across the cut, at
+both ends, as a long outage or a router losing its state would. Link shaping lives on the
+hosts' own devices and ports, so it is untouched by either.
 
 `inbound=False` emulates a router that refuses unsolicited connections: TCP segments with SYN and
 without ACK headed for the host are dropped at its bridge port (a `u32` filter steering them to a
@@ -146,7 +148,7 @@ class NetLab:
             raise ValueError(f"prefix must match {_PREFIX.pattern}, got {prefix!r}")
         if os.geteuid() != 0:
             raise NetLabError("an emulated network needs root (ip netns, tc)")
-        for tool in ("ip", "tc"):
+        for tool in ("ip", "tc", "ss"):
             if shutil.which(tool) is None:
                 raise NetLabError(f"`{tool}` is not installed (Debian: iproute2)")
         self.prefix = prefix
@@ -154,6 +156,8 @@ class NetLab:
         self.hosts: list[Host] = []
         self.sides = 0
         """Bridges beyond the first (`partition`): 0 while the network is whole."""
+        self._side_of: dict[str, int] = {}
+        """Bridge port -> the side (bridge number) it is on; ports not listed are on br0."""
         self.remove_stale(prefix)
         try:
             _run("ip", "netns", "add", self.hub)
@@ -252,11 +256,23 @@ class NetLab:
             _run("ip", "-n", self.hub, "link", "set", bridge, "up")
             for port in side:
                 _run("ip", "-n", self.hub, "link", "set", port, "master", bridge)
+                self._side_of[port] = number
 
-    def heal(self) -> None:
-        """Join every side of a partition again (a no-op while the network is whole)."""
+    def heal(self, *, reset_connections: bool = False) -> None:
+        """Join every side of a partition again (a no-op while the network is whole).
+
+        `reset_connections`: first destroy, at both ends, every TCP connection between hosts
+        of different sides (`ss -K`), as a long outage or a router that lost its state does:
+        nothing sent during the cut arrives afterwards, and processes must dial anew."""
         if self.sides == 0:
             return
+        if reset_connections:
+            for index, host in enumerate(self.hosts):
+                side = self._side_of.get(f"v{index + 1}", 0)
+                for other_index, other in enumerate(self.hosts):
+                    if self._side_of.get(f"v{other_index + 1}", 0) != side:
+                        _run(*host.argv(["ss", "-K", "dst", other.ip]))
+        self._side_of = {}
         for index in range(len(self.hosts)):
             _run("ip", "-n", self.hub, "link", "set", f"v{index + 1}", "master", "br0")
         for number in range(self.sides, 0, -1):
@@ -296,6 +312,7 @@ class NetLab:
         self.remove_stale(self.prefix)
         self.hosts = []
         self.sides = 0
+        self._side_of = {}
 
     @staticmethod
     def remove_stale(prefix: str) -> None:

@@ -96,7 +96,8 @@ def test_reshape_refuses_a_foreign_host_and_bad_rates() -> None:
 
 
 # An echo server (argv: address), and a client that holds one connection to it across a cut:
-# it echoes once, then on each stdin line sends a byte and says whether it came back in time.
+# on each stdin line (seconds to wait) it sends a byte and says whether it came back in time,
+# or whether the connection is gone.
 _ECHO = """
 import socket, sys, threading
 s = socket.create_server((sys.argv[1], 5202)); print("ready", flush=True)
@@ -110,11 +111,15 @@ import socket, sys
 c = socket.create_connection((sys.argv[1], 5202), timeout=5)
 for line in sys.stdin:
     wait_s = float(line)
-    c.settimeout(wait_s); c.sendall(b"x")
+    c.settimeout(wait_s)
     try:
+        c.sendall(b"x")
         print("echoed" if c.recv(1) == b"x" else "closed", flush=True)
     except TimeoutError:
         print("stalled", flush=True)
+    except OSError:
+        print("reset", flush=True)
+        break
 """
 
 
@@ -158,6 +163,10 @@ def test_a_partition_cuts_the_sides_apart_and_heal_joins_them() -> None:
             assert hold(20) == "echoed"  # the stalled byte and ours arrive once TCP retransmits
             assert _dials(b, c) and _dials(c, a)
             lab.heal()  # whole already: nothing to do
+            lab.partition([c])
+            lab.heal(reset_connections=True)  # a long outage: connections across it are gone
+            assert hold(5) == "reset"
+            assert _dials(a, c)
         finally:
             for proc in [*servers, *([holder] if holder else [])]:
                 proc.kill()

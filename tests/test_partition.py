@@ -1,13 +1,13 @@
 """Partitions heal (issue 15, item 3), on an emulated network (diloco_peer.netlab; needs root).
 
 Three bare DHT nodes, one cut off for a while: hivemind's routing tables forget the other side,
-and `heads.Rejoiner` brings it back once the network is whole (about 20 s).
+and `rejoin.Rejoiner` brings it back once the network is whole (about 20 s).
 
 Four peers (nano, sync), each on a host of its own, train together; then the network is cut
 2|2 for 30 s and joined again. Each side goes on alone (groups of two, a fork), and no round
 waits longer than the sync timeout plus the all-reduce timeout. Once the network is whole, the
-DHT must be whole again (hivemind's routing tables forgot the other side; heads.Rejoiner pings
-it back), the swarm must be on one state within two versions of the heal, and every δ of the
+DHT must be whole again (hivemind's routing tables forget the other side; rejoin.Rejoiner
+pings it back), the swarm must be on one state within two versions of the heal, and every δ of the
 losing side must reach that state exactly once: its peers' last δ (applied on the losing
 branch) goes into a later group again, and nothing else twice.
 """
@@ -28,6 +28,7 @@ import pytest
 
 from diloco_peer.config import default_run
 from diloco_peer.coordinator_free.manifest import dump_run_config
+from diloco_peer.identity import Identity
 from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, kill_session, spawn
 from diloco_peer.netlab import Host, NetLab
 from diloco_peer.peer.events import read_log
@@ -41,20 +42,29 @@ HEAL_TIMEOUT_S = 150.0
 expectation: two versions take about 10-25 s on two shared cores)."""
 
 
-# A DHT node with a Rejoiner (argv: its address, then the initial peers' multiaddrs). It stores
-# its own subkey under one key and reads the key back every half second, as heads do, and says
-# after each read how many subkeys it saw and how many nodes its routing table holds.
+# A DHT node with a Rejoiner (argv: its address, its key file, the initial peers' multiaddrs).
+# It starts as soon as an initial peer answers (all nodes start at once: each takes seconds to
+# import). It stores its own subkey under one key and reads the key back every half second,
+# as heads do, and says after each read how many subkeys it saw and how many nodes its routing
+# table holds.
 _NODE = """
 import json, sys, time
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 from diloco_peer.coordinator_free.rejoin import Rejoiner, routed_peers
-# wait_timeout: a request unanswered for 1 s counts as failed (hivemind: 3 s), to keep it short
-dht = DHT(start=True, host_maddrs=[f"/ip4/{sys.argv[1]}/tcp/0"], initial_peers=sys.argv[2:],
-          startup_timeout=30, wait_timeout=1)
+deadline = time.time() + 60
+while True:
+    try:  # wait_timeout: unanswered for 1 s counts as failed (hivemind: 3 s), to keep it short
+        dht = DHT(start=True, host_maddrs=[f"/ip4/{sys.argv[1]}/tcp/{PORT}"],
+                  identity_path=sys.argv[2], initial_peers=sys.argv[3:], startup_timeout=30,
+                  wait_timeout=1)
+        break
+    except Exception:
+        if time.time() > deadline:
+            raise
+        time.sleep(0.5)
 me = dht.peer_id.to_base58()
-print(json.dumps({"maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
-rejoiner = Rejoiner(lambda: dht, me, initial=[a.rsplit("/", 1)[1] for a in sys.argv[2:]],
+rejoiner = Rejoiner(lambda: dht, me, initial=[a.rsplit("/", 1)[1] for a in sys.argv[3:]],
                     heads=dict, on_rejoined=lambda peers: None, period_s=0.5)
 rejoiner.start()
 while True:
@@ -67,26 +77,24 @@ while True:
     table = len(routed_peers(dht, timeout_s=4))
     print(json.dumps({"t": time.time(), "seen": seen, "table": table}), flush=True)
     time.sleep(0.5)
-"""
+""".replace("{PORT}", "31340")
 
 
 class Node:
     """A `_NODE` process on a netlab host, and its last report."""
 
     def __init__(self, host: Host, initial: list[str], folder: Path) -> None:
-        argv = host.argv([sys.executable, "-c", _NODE, host.ip, *initial])
-        self.proc = spawn(argv, stderr=folder / f"{host.netns}.err", stdout=subprocess.PIPE,
-                          text=True, stdin=subprocess.DEVNULL)  # fmt: skip
-        self.host, self.err = host, folder / f"{host.netns}.err"
+        identity = Identity.generate()
+        key = folder / f"{host.netns}.key"
+        key.write_bytes(identity.to_bytes())
+        self.maddr = f"/ip4/{host.ip}/tcp/31340/p2p/{identity.peer_id_str}"
+        argv = host.argv([sys.executable, "-c", _NODE, host.ip, str(key), *initial])
+        self.err = folder / f"{host.netns}.err"
+        self.proc = spawn(argv, stderr=self.err, stdout=subprocess.PIPE, text=True,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
         self.last: dict[str, Any] = {}
         self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-
-    def address(self) -> str:
-        """Its multiaddr, once it has started."""
-        first = self.lines.get(timeout=60)
-        assert first is not None, self.err.read_text()[-2000:]
-        return next(m for m in first["maddrs"] if f"/{self.host.ip}/" in m)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -102,7 +110,7 @@ class Node:
                 report = self.lines.get(timeout=1.0)
             except queue.Empty:
                 continue
-            assert report is not None, "the node exited"
+            assert report is not None, self.err.read_text()[-2000:]
             self.last = report
             if all(report[k] == v for k, v in want.items()):
                 return time.time() - t0
@@ -119,19 +127,18 @@ def test_dht_nodes_cut_off_from_each_other_are_one_dht_again_after_the_heal(
         try:
             hosts = [lab.add_host() for _ in range(3)]
             nodes.append(Node(hosts[0], [], tmp_path))
-            first = nodes[0].address()
-            nodes += [Node(h, [first], tmp_path) for h in hosts[1:]]
-            for node in nodes[1:]:
-                node.address()
+            nodes += [Node(h, [nodes[0].maddr], tmp_path) for h in hosts[1:]]
             for node in nodes:
-                node.wait(30, seen=3, table=2)
+                node.wait(60, seen=3, table=2)
             lab.partition(hosts[:1])  # the first node alone
             t_cut = time.time()
             nodes[0].wait(30, table=0)  # hivemind forgot the others...
             for node in nodes[1:]:
                 node.wait(30, table=1)  # ... and they forgot it
             t_heal = time.time()
-            lab.heal()
+            # connections lost too (a long outage): nothing sent during the cut arrives late to
+            # remind a node of the others (hivemind adds a node that calls it to its table)
+            lab.heal(reset_connections=True)
             for node in nodes:
                 node.wait(30, seen=3, table=2)
             print(json.dumps({"forgot_s": round(t_heal - t_cut, 1),
@@ -226,9 +233,10 @@ def contributed_steps_add_up(log: Path) -> tuple[int, int]:
 
 
 @pytest.mark.multipeer
-@pytest.mark.slow  # about 3 minutes: startup, 30 s apart, the heal
+@pytest.mark.slow  # about 3 minutes each: startup, 30 s apart, the heal
 @pytest.mark.timeout(600)
-def test_a_swarm_split_in_two_for_30_s_heals_into_one_state(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reset", [False, True], ids=["connections-stall", "connections-lost"])
+def test_a_swarm_split_in_two_for_30_s_heals_into_one_state(tmp_path: Path, reset: bool) -> None:
     run, swarm = default_run("nano", "sync")
     run = dataclasses.replace(run, inner_steps=H, warmup_steps=5)
     swarm = dataclasses.replace(
@@ -257,7 +265,7 @@ def test_a_swarm_split_in_two_for_30_s_heals_into_one_state(tmp_path: Path) -> N
         lab.partition(hosts[:2])
         t_split = time.time()
         time.sleep(SPLIT_S)
-        lab.heal()
+        lab.heal(reset_connections=reset)
         t_heal = time.time()
 
         deadline = t_heal + HEAL_TIMEOUT_S
@@ -303,9 +311,11 @@ def test_a_swarm_split_in_two_for_30_s_heals_into_one_state(tmp_path: Path) -> N
     # one state within two versions of the heal (each peer's first round after the heal may
     # have been under way on its branch), then groups of all four
     assert one[0] <= v_heal + 2 and max(attempts) <= 2, report
-    # the DHT healed: reads through any peer see all four heads, fresh, at one state (whether
-    # a routing table lost the other side, and needed the Rejoiner, varies from run to run;
-    # the three-node test above makes sure it does)
+    # the DHT healed: reads through any peer see all four heads, fresh, at one state. With the
+    # connections lost, only the Rejoiner's pings could bring the other side back; with them
+    # stalled, requests sent during the cut arrive late and may do it first (hivemind adds a
+    # node that calls it), so there it is not always needed.
+    assert report["dht_rejoin_s"] or not reset, report
     for doc in docs:
         assert len(doc["peers"]) == 4 and not doc["forks"], doc
         assert all(p["last_seen_s"] < 30 and p["version"] >= one[0] for p in doc["peers"]), doc

@@ -1,13 +1,16 @@
 """Keeping the DHT whole after a network partition (issue 15, "partitions heal").
 
 hivemind's DHT drops a node from its routing table the first time a request to it goes
-unanswered, and nothing ever brings it back: nodes learn of others only from the answers of
-nodes they already know. During a partition each side's requests to the other side fail, so
-each side forgets the other; once the network is whole again, the two halves stay two DHTs
-(each stores and reads the heads on its own side), and the swarm trains on two branches for
-ever (measured: 4 peers split 2|2 for 30 s were still two DHTs, and two branches, 90 s after
-the network healed). hivemind also blacklists a silent node with exponential backoff, so even
-a node that is back in the table is skipped by searches for a while.
+unanswered, and only a request from that node puts it back: nodes learn of others from the
+answers of nodes they already know, and from those that call them. During a partition each
+side's requests to the other side fail, so each side forgets the other; once the network is
+whole again nobody calls across, the two halves stay two DHTs (each stores and reads the
+heads on its own side), and the swarm trains on two branches for ever (measured: 4 peers split
+2|2 for 30 s were still two DHTs, and two branches, 90 s after the network healed). Only when
+TCP connections survived the cut may requests stalled in them arrive late and remind the
+receiver; after a long outage nothing does. hivemind also blacklists a silent node with
+exponential backoff, so even a node that is back in the table is skipped by searches for a
+while.
 
 The remedy is what Kademlia's bucket refresh would do with the right seeds: a peer remembers
 the swarm's peers it has known (the initial peers it was given, the nodes of its routing table,
