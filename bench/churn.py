@@ -278,11 +278,13 @@ def drive(churn: Churn, schedule: list[dict[str, Any]], part_at: int) -> bool:
             elif inc.proc.poll() is not None:
                 if inc.fault == "in-group" and inc.proc.returncode == -signal.SIGKILL:
                     churn.record_crash(inc, take(schedule, "in-group")["how"], "in-group", now)
-                else:  # it failed by itself: counted, and started again as a volunteer would
+                else:
                     say(f"{inc.name} exited with {inc.proc.returncode}")
-                    churn.failures.append({"incarnation": inc.name, "code": inc.proc.returncode})
                     del churn.live[inc.peer]
-                    churn.restarts.append((now + 5.0, inc.peer, inc.fault))
+                    if inc.proc.returncode != 0:  # failed by itself: counted, started again
+                        churn.failures.append({"incarnation": inc.name,
+                                               "code": inc.proc.returncode})  # fmt: skip
+                        churn.restarts.append((now + 5.0, inc.peer, inc.fault))
         # the next random crash
         crash = next((c for c in schedule if c["trigger"] == "random"), None)
         if crash is not None and not late and part_end is None and now >= quiet_until:
@@ -345,14 +347,17 @@ def forks_of(logs: list[Path]) -> list[dict[str, Any]]:
 
 
 def gaps_of(logs: list[Path]) -> tuple[float, float, list[float]]:
-    """(longest gap between consecutive versions' first commits, median compute s, gaps)."""
+    """(longest gap between consecutive versions' first commits, median compute s of a round,
+    gaps)."""
     first: dict[int, float] = {}
     compute = []
     for log in logs:
+        spent = 0.0  # a round's compute_s counts from the incarnation's start: take differences
         for e in read_log(log):
             if e["event"] == "round":
                 first[e["version"]] = min(first.get(e["version"], e["time"]), e["time"])
-                compute.append(e.get("compute_s") or 0.0)
+                compute.append((e.get("compute_s") or 0.0) - spent)
+                spent = e.get("compute_s") or 0.0
     times = [first[v] for v in sorted(first)]
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return max(gaps, default=0.0), statistics.median(compute) if compute else 0.0, gaps
