@@ -31,7 +31,7 @@ from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest
 from diloco_peer.coordinator_free.reachability import DialBackServer
 from diloco_peer.coordinator_free.state_transfer import StateBlob, StateServer
-from diloco_peer.errors import BadInput, P2PServiceStopped
+from diloco_peer.errors import BadInput, ManifestError, P2PServiceStopped
 from diloco_peer.identity import Identity
 from diloco_peer.lifeline import Lifeline, end_orphans
 from diloco_peer.p2p.dht import PeerDHT
@@ -164,16 +164,23 @@ def agree_on_manifest(
     stored: SignedManifest | None,
     *,
     owner: str | None = None,
+    allowlist_owner: str | None = None,
     swarm: Sequence[str] = (),
 ) -> SignedManifest:
     """The founder publishes the run's manifest (a restarted founder keeps the one its
     checkpoint holds); a joiner fetches and verifies the run owner's. The owner is `owner`
-    (`--owner` or the allowlist's signer), else the one in this peer's checkpoint, else the
+    (`--owner`, else the allowlist's signer), else the one in this peer's checkpoint, else the
     one among the peers of the `swarm` addresses (`records.choose_manifest`)."""
     if founding is None:
-        pinned = owner or (stored.owner_peer_id if stored is not None else None)
-        return records.fetch_manifest(dht, run_name, timeout_s=DHT_TIMEOUT_S, owner=pinned,
-                                      prefer=initial_peer_ids(swarm))  # fmt: skip
+        pinned = owner or allowlist_owner or (stored.owner_peer_id if stored else None)
+        try:
+            return records.fetch_manifest(dht, run_name, timeout_s=DHT_TIMEOUT_S, owner=pinned,
+                                          prefer=initial_peer_ids(swarm))  # fmt: skip
+        except ManifestError as e:
+            if owner is None and allowlist_owner is not None:
+                raise ManifestError(f"--allowlist is signed by {allowlist_owner}, not by the run "
+                                    f"owner, it seems: {e}") from None  # fmt: skip
+            raise
     run, swarm = founding
     signed = stored or Manifest.create(run_name, run, swarm, identity)
     records.publish_manifest(

@@ -171,9 +171,10 @@ class SwarmPeer:
                               client_mode=self.spec.client_mode or probing,
                               lifeline=self.lifeline)  # fmt: skip
         stored = peer_checkpoint.stored_manifest(ckpt, self.spec.run_name)
-        owner = self.spec.owner or (allowlist.owner_peer_id if allowlist else None)
+        signer = allowlist.owner_peer_id if allowlist else None
         self.signed = agree_on_manifest(self.node.dht, self.identity, self.spec.run_name,
-                                        self.founding, stored, owner=owner, swarm=self.spec.swarm)  # fmt: skip
+                                        self.founding, stored, owner=self.spec.owner,
+                                        allowlist_owner=signer, swarm=self.spec.swarm)  # fmt: skip
         self.run, self.swarm = self.signed.manifest.run, self.signed.manifest.swarm
         self._allowed = allowed_by(allowlist, self.signed.owner_peer_id)
         self._build()
