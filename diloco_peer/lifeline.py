@@ -68,9 +68,13 @@ class Lifeline:
         package_root = str(Path(__file__).resolve().parent.parent)
         code = f"import sys; sys.path.insert(0, {package_root!r}); from diloco_peer.lifeline import main; main()"
         try:
+            # a group of its own (Python 3.10 has no process_group: a session of its own)
+            own: dict[str, object] = (
+                {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+            )
             proc = subprocess.Popen(
                 [sys.executable, "-c", code], stdin=read, stdout=subprocess.DEVNULL,
-                process_group=0, close_fds=True,
+                close_fds=True, **own,  # type: ignore[arg-type]
             )  # fmt: skip
         finally:
             os.close(read)
