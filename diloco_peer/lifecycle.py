@@ -89,3 +89,26 @@ class BackgroundPart:
 
     def _end(self) -> None:
         raise NotImplementedError
+
+
+class ThreadPart(BackgroundPart):
+    """A background part that is one daemon thread running `_run` until `_stop` is set (the
+    heartbeat, the DHT rejoiner); `shutdown` waits for it at most `join_timeout_s`."""
+
+    def __init__(self, name: str, join_timeout_s: float) -> None:
+        super().__init__()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._join_timeout_s = join_timeout_s
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _begin(self) -> concurrent.futures.Future[Any]:
+        self._thread.start()
+        return ready_now()
+
+    def _end(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._join_timeout_s)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from hivemind.p2p import PeerID
 
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.errors import SwarmTimeout
-from diloco_peer.lifecycle import BackgroundPart, ready_now
+from diloco_peer.lifecycle import ThreadPart
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +200,7 @@ def ping_peers(dht: DHT, peers: list[str], *, timeout_s: float) -> set[str]:
     return {p for p in found if isinstance(p, str)} if isinstance(found, list) else set()
 
 
-class Rejoiner(BackgroundPart):
+class Rejoiner(ThreadPart):
     """Keeps this peer's DHT whole across network partitions: every REJOIN_PERIOD_S it pings the
     swarm's peers it knows of (initial peers, heads, routing-table nodes) that are missing from
     its routing table, with backoff for those that do not answer (`RejoinBook`). `on_rejoined`
@@ -218,24 +217,13 @@ class Rejoiner(BackgroundPart):
         period_s: float = REJOIN_PERIOD_S,
         timeout_s: float = TABLE_TIMEOUT_S,
     ) -> None:
-        super().__init__()
+        super().__init__("rejoin", join_timeout_s=timeout_s + PING_TIMEOUT_S + 2 * _CALL_SLACK_S)
         self._dht, self._initial, self._heads = dht, list(initial), heads
         self._on_rejoined, self._period_s, self._timeout_s = on_rejoined, period_s, timeout_s
         self.me, self.book = me, RejoinBook(me)
         self.routed = -1
         """Routing-table nodes at the last look (-1: not looked yet)."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rejoin", daemon=True)
         self.failures = 0
-
-    def _begin(self) -> concurrent.futures.Future[None]:
-        self._thread.start()
-        return ready_now()
-
-    def _end(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._timeout_s + PING_TIMEOUT_S + 2 * _CALL_SLACK_S)
 
     def _run(self) -> None:
         while not self._stop.wait(self._period_s):

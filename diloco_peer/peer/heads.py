@@ -4,7 +4,6 @@ heads it reads into the `HeadBook`, and the heartbeat that keeps its own head al
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -18,7 +17,7 @@ from diloco_peer.coordinator_free.manifest import SignedManifest
 from diloco_peer.coordinator_free.rejoin import Rejoiner
 from diloco_peer.coordinator_free.swarm_view import HEAD_TTL_S, HeadBook, SwarmView
 from diloco_peer.identity import Identity
-from diloco_peer.lifecycle import BackgroundPart, ready_now
+from diloco_peer.lifecycle import ThreadPart
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.faults import FaultPlan
 from diloco_peer.peer.replica import Replica
@@ -190,7 +189,7 @@ class HeadChannel:
                         on_rejoined=rejoined, timeout_s=DHT_TIMEOUT_S)  # fmt: skip
 
 
-class Heartbeat(BackgroundPart):
+class Heartbeat(ThreadPart):
     """Republishes the head every HEAD_TTL_S / 4 (not while paused), so others keep this peer
     live. It logs any failure and keeps beating: a heartbeat that stopped would make every
     other peer drop this one."""
@@ -198,20 +197,9 @@ class Heartbeat(BackgroundPart):
     def __init__(
         self, publish: Callable[[], None], paused: threading.Event, period_s: float = HEAD_TTL_S / 4
     ) -> None:
-        super().__init__()
+        super().__init__("heartbeat", join_timeout_s=DHT_TIMEOUT_S + 5.0)
         self._publish, self._paused, self._period_s = publish, paused, period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self.failures = 0
-
-    def _begin(self) -> concurrent.futures.Future[None]:
-        self._thread.start()
-        return ready_now()
-
-    def _end(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=DHT_TIMEOUT_S + 5.0)
 
     def _run(self) -> None:
         while not self._stop.wait(self._period_s):
