@@ -96,7 +96,9 @@ def choice(donors: list[str]) -> HeadChoice:
 
 
 def catch_up(downloads: FakeDownloads, replica: FakeReplica | None = None) -> CatchUp:
-    return CatchUp(replica or FakeReplica(), downloads, me="me", keep_updates=0)  # type: ignore[arg-type]
+    return CatchUp(
+        replica or FakeReplica(), downloads, me="me", keep_updates=0, verify=lambda r: None
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(10)
@@ -145,7 +147,9 @@ def test_a_few_versions_behind_it_replays_first_when_cheaper_than_the_state() ->
     # 4 missed versions of a 16-byte model (64 bytes) against a 1,000-byte state: replay first,
     # from at most two donors; when both fail, the full state from all donors at once.
     downloads = FakeDownloads(blob(WANT), {})
-    part = CatchUp(FakeReplica(blob_bytes=1000), downloads, me="me", keep_updates=8)  # type: ignore[arg-type]
+    part = CatchUp(
+        FakeReplica(blob_bytes=1000), downloads, me="me", keep_updates=8, verify=lambda r: None
+    )  # type: ignore[arg-type]
     moved = part.run(choice(["d1", "d2", "d3"]))
     kinds = [c[0] for c in downloads.calls]
     assert kinds == ["update", "update", "multi"]
@@ -153,7 +157,9 @@ def test_a_few_versions_behind_it_replays_first_when_cheaper_than_the_state() ->
     assert moved is not None and moved.method == "download"
     # more missed versions than the update log keeps: straight to the full state
     downloads = FakeDownloads(blob(WANT), {})
-    CatchUp(FakeReplica(blob_bytes=1000), downloads, me="me", keep_updates=3).run(  # type: ignore[arg-type]
+    CatchUp(
+        FakeReplica(blob_bytes=1000), downloads, me="me", keep_updates=3, verify=lambda r: None
+    ).run(  # type: ignore[arg-type]
         choice(["d1", "d2"])
     )
     assert [c[0] for c in downloads.calls] == ["multi"]
@@ -167,7 +173,13 @@ def test_it_replays_only_while_the_missed_updates_cost_less_than_the_state(
     # 4 missed versions of a 16-byte model: 64 bytes of updates, against the state's bytes
     # (update_log.replay_horizon; the donors keep as many, update_log.log_capacity)
     downloads = FakeDownloads(blob(WANT), {})
-    CatchUp(FakeReplica(blob_bytes=blob_bytes), downloads, me="me", keep_updates=16).run(  # type: ignore[arg-type]
+    CatchUp(
+        FakeReplica(blob_bytes=blob_bytes),
+        downloads,
+        me="me",
+        keep_updates=16,
+        verify=lambda r: None,
+    ).run(  # type: ignore[arg-type]
         choice(["d1"])
     )
     assert [c[0] for c in downloads.calls] == (["update", "single"] if replays else ["single"])
@@ -202,7 +214,9 @@ def test_before_a_download_one_update_tells_whether_our_own_version_lost_a_fork(
     # a partition: our side committed version 1 itself, the other side reached version 5 on
     # another branch; the state costs less than 4 updates, so catch-up downloads it
     downloads = ForkProbe(base_hash)
-    part = CatchUp(FakeReplica(blob_bytes=40), downloads, me="me", keep_updates=8)  # type: ignore[arg-type]
+    part = CatchUp(
+        FakeReplica(blob_bytes=40), downloads, me="me", keep_updates=8, verify=lambda r: None
+    )  # type: ignore[arg-type]
     moved = part.run(choice(["d1", "d2"]), probe_fork=True)
     assert moved is not None and moved.method == "download" and moved.lost_fork is lost
     probes = [c for c in downloads.calls if c[0] == "update"]
@@ -212,7 +226,9 @@ def test_before_a_download_one_update_tells_whether_our_own_version_lost_a_fork(
     # no own δ at stake, or more versions behind than the logs keep: no probe
     for probe_fork, keep in ((False, 8), (True, 3)):
         downloads = ForkProbe("f" * 64)
-        part = CatchUp(FakeReplica(blob_bytes=40), downloads, me="me", keep_updates=keep)  # type: ignore[arg-type]
+        part = CatchUp(
+            FakeReplica(blob_bytes=40), downloads, me="me", keep_updates=keep, verify=lambda r: None
+        )  # type: ignore[arg-type]
         moved = part.run(choice(["d1", "d2"]), probe_fork=probe_fork)
         assert moved is not None and not moved.lost_fork
         assert [c[0] for c in downloads.calls] == ["multi"]

@@ -285,7 +285,7 @@ def test_a_replica_keeps_only_the_updates_a_replay_can_ask_for() -> None:
         return r
 
     def commit(r: Replica, version: int) -> None:
-        r.commit([torch.full(s, 0.01 * (version + 1)) for s in shapes], ["A"], {0: 8})
+        r.commit([torch.full(s, 0.01 * (version + 1)) for s in shapes], ["A"], {0: 8}, {})
 
     donor, two_behind, three_behind = replica(), replica(), replica()
     assert donor.updates.capacity == 2  # version 0 holds θ alone: replay horizon 1
@@ -302,12 +302,16 @@ def test_a_replica_keeps_only_the_updates_a_replay_can_ask_for() -> None:
     assert (donor.version, two_behind.version, three_behind.version) == (20, 18, 17)
     choice = HeadChoice(20, donor.published_hash, ("A",), lost_fork=False)
     downloads = FromDonor(donor)
-    moved = CatchUp(three_behind, downloads, me="C", keep_updates=16).run(choice)
+    moved = CatchUp(three_behind, downloads, me="C", keep_updates=16, verify=lambda r: None).run(
+        choice
+    )
     assert moved is not None and moved.method == "download" and downloads.calls == ["state"]
     assert three_behind.published_hash == choice.state_hash
     commit(donor, 20)  # the donor moves on between our reading its head and the replay
     assert (donor.updates.oldest(), donor.updates.newest()) == (18, 20)
     downloads = FromDonor(donor)
-    moved = CatchUp(two_behind, downloads, me="B", keep_updates=16).run(choice)
+    moved = CatchUp(two_behind, downloads, me="B", keep_updates=16, verify=lambda r: None).run(
+        choice
+    )
     assert moved is not None and moved.method == "replay" and downloads.calls == ["update"] * 2
     assert two_behind.published_hash == choice.state_hash and two_behind.version == 20

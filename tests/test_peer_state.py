@@ -5,6 +5,7 @@ keeps the end-to-end runs, in the slow phase)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import urllib.request
@@ -16,19 +17,20 @@ import torch
 from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.manifest import Manifest
 from diloco_peer.coordinator_free.records import PeerHead
-from diloco_peer.coordinator_free.state_transfer import StateBlob
-from diloco_peer.coordinator_free.swarm_view import SwarmView
+from diloco_peer.coordinator_free.state_transfer import StateBlob, StateTransferFailed
+from diloco_peer.coordinator_free.swarm_view import SwarmView, run_ended
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
-from diloco_peer.errors import CheckpointError
+from diloco_peer.errors import CheckpointError, TransferFailure
 from diloco_peer.identity import Identity
 from diloco_peer.peer import peer_checkpoint
 from diloco_peer.peer.catch_up import CatchUp
+from diloco_peer.peer.certify import Certifier
 from diloco_peer.peer.delta import Contribution
 from diloco_peer.peer.heads import Activity
 from diloco_peer.peer.phase import Controls, Phase, PhasePaused, StopRequested, build_training
 from diloco_peer.peer.replica import Replica
-from diloco_peer.peer.swarm_peer import run_ended
 from diloco_peer.peer.telemetry import Counters, Gauges, RoundReport, TensorBoard, serve_metrics
+from diloco_peer.peer.trust import Guard
 
 OWNER = Identity.generate()
 SWARM = SwarmSettings()
@@ -93,10 +95,24 @@ def test_a_pause_mid_phase_keeps_the_partial_delta_and_a_stop_ends_the_phase(
         phase_of(run, manifest(run), stop=stop).train(5)
 
 
-def commit_twice(replica: Replica, run: RunSpec) -> None:
+MEMBER = Identity.generate()
+
+
+def certifier(replica: Replica) -> Certifier:
+    return Certifier(lambda: None, MEMBER, "t", SWARM, allow=lambda peer: True,
+                     recent_norms=replica.recent_norms)  # fmt: skip
+
+
+def commit_twice(replica: Replica, run: RunSpec, seals: dict[int, dict[str, bytes]]) -> None:
+    """Two lone commits of MEMBER, each with its signed header and its seal (in `seals`)."""
+    guard, me = Guard(MEMBER, "t", SWARM), MEMBER.peer_id_str
     for value in (0.01, -0.02):
-        replica.commit([torch.full_like(t, value) for t in replica.state.theta], ["PeerA"],
-                       {0: run.batch_size})  # fmt: skip
+        delta = [torch.full_like(t, value) for t in replica.state.theta]
+        v, h = replica.version, replica.published_hash
+        offer = guard.offer(delta, key=f"v{v}_{h[:16]}", version=v, state_hash=h, base_version=v,
+                            steps=1, shard_samples={0: run.batch_size})  # fmt: skip
+        record = replica.commit(delta, [me], {0: run.batch_size}, {me: offer.gather})
+        seals[record.base_version] = {me: certifier(replica).seal_bytes(record)}
 
 
 @pytest.mark.timeout(120)
@@ -108,17 +124,20 @@ def test_a_replica_behind_replays_another_replicas_updates_to_the_same_hash(
     behind = Replica(phase_of(run, signed, peer="PeerB").t.state, UpdateLog(8))
     ahead.snapshot()
     behind.snapshot()
-    commit_twice(ahead, run)
+    seals: dict[int, dict[str, bytes]] = {}
+    commit_twice(ahead, run, seals)
     assert ahead.version == 2 and ahead.published_hash == ahead.state.hash()
+    forged: dict[int, bytes] = {}
 
     class FromAhead:
         def update(self, donor: str, base_version: int) -> bytes:
-            data = ahead.updates.get(base_version)
+            data = forged.get(base_version) or ahead.updates.get(base_version)
             assert data is not None
             return data
 
         def state(self, donor: str) -> StateBlob:
-            raise AssertionError("two updates cost less than the state: no download")
+            # two updates cost less than the state: only a failed replay downloads
+            raise StateTransferFailed("no state here", kind=TransferFailure.REFUSED)
 
         state_multi = state
 
@@ -128,7 +147,20 @@ def test_a_replica_behind_replays_another_replicas_updates_to_the_same_hash(
                      {"PeerA": PeerHead(peer_id="PeerA", version=2, state_hash=ahead.published_hash)})  # fmt: skip
     choice = view.choose_head()
     assert choice is not None
-    moved = CatchUp(behind, FromAhead(), me="PeerB", keep_updates=8).run(choice)  # type: ignore[arg-type]
+    check = certifier(behind)
+    catch_up = CatchUp(behind, FromAhead(), me="PeerB", keep_updates=8,  # type: ignore[arg-type]
+                       verify=lambda r: check.check(r, seals.get(r.base_version, {})))  # fmt: skip
+    # A donor's forged update (another average under the member's header and seal) is refused
+    # and nothing moves; so is an update whose member's seal is missing.
+    real = UpdateRecord.from_bytes(ahead.updates.get(0) or b"")
+    fake = dataclasses.replace(real, average=tuple(a * 50 for a in real.average))
+    forged[0] = fake.to_bytes()
+    assert catch_up.run(choice) is None and behind.version == 0
+    forged.clear()
+    kept_seals = seals.pop(0)
+    assert catch_up.run(choice) is None and behind.version == 0
+    seals[0] = kept_seals
+    moved = catch_up.run(choice)
     assert moved is not None and moved.method == "replay" and not moved.lost_fork
     assert (
         behind.state.hash() == ahead.state.hash() and behind.published_hash == ahead.published_hash
@@ -144,6 +176,57 @@ def test_a_replica_behind_replays_another_replicas_updates_to_the_same_hash(
     assert behind.state.hash() == published and behind.version == 2
 
 
+@pytest.mark.timeout(120)
+def test_a_fork_at_our_version_heals_by_replay_from_our_parent_state(run: RunSpec) -> None:
+    """Two replicas part at version 1 (each applies another lone update): the loser replays
+    the winner's certified update from the state below its own, downloads no state, and knows
+    its branch lost; a forged update of the winner's is refused and nothing moves."""
+    signed = manifest(run)
+    winner = Replica(phase_of(run, signed).t.state, UpdateLog(8))
+    loser = Replica(phase_of(run, signed, peer="PeerB").t.state, UpdateLog(8))
+    winner.snapshot()
+    loser.snapshot()
+    seals: dict[int, dict[str, bytes]] = {}
+    commit_twice(winner, run, seals)  # v0 -> v1 -> v2
+    shared = UpdateRecord.from_bytes(winner.updates.get(0) or b"")
+    loser.apply_record(shared)
+    loser.keep(shared)
+    loser.snapshot()
+    own = [torch.full_like(t, 0.03) for t in loser.state.theta]
+    loser.commit(own, ["PeerB"], {0: run.batch_size}, {})  # its own v2, another branch
+    assert loser.version == winner.version == 2 and loser.published_hash != winner.published_hash
+    assert loser.parent is not None and loser.parent.version == 1
+
+    class FromWinner:
+        forged: bytes | None = None
+
+        def update(self, donor: str, base_version: int) -> bytes:
+            return self.forged or winner.updates.get(base_version) or b""
+
+        def state(self, donor: str) -> StateBlob:
+            raise AssertionError("a fork at our version is healed by replay, not download")
+
+        state_multi = state
+
+    downloads = FromWinner()
+    view = SwarmView("PeerB", 2, loser.published_hash,
+                     {"PeerA": PeerHead(peer_id="PeerA", version=2, state_hash=winner.published_hash),
+                      "PeerC": PeerHead(peer_id="PeerC", version=1, state_hash=shared.result_hash)})  # fmt: skip
+    choice = view.choose_head(replay_window=2)
+    assert choice is not None and choice.lost_fork and not choice.endorsed
+    check = certifier(loser)
+    catch_up = CatchUp(loser, downloads, me="PeerB", keep_updates=8,  # type: ignore[arg-type]
+                       verify=lambda r: check.check(r, seals.get(r.base_version, {})))  # fmt: skip
+    real = UpdateRecord.from_bytes(winner.updates.get(1) or b"")
+    downloads.forged = dataclasses.replace(real, average=tuple(-a for a in real.average)).to_bytes()
+    mine = loser.published_hash
+    assert catch_up.run(choice) is None and loser.state.hash() == mine
+    downloads.forged = None
+    moved = catch_up.run(choice)
+    assert moved is not None and moved.method == "replay" and moved.lost_fork
+    assert loser.published_hash == winner.published_hash and loser.version == 2
+
+
 @pytest.mark.timeout(180)
 def test_a_peer_checkpoint_restores_state_adam_streams_rounds_and_a_pending_delta(
     run: RunSpec, tmp_path: Path
@@ -152,7 +235,7 @@ def test_a_peer_checkpoint_restores_state_adam_streams_rounds_and_a_pending_delt
     phase = phase_of(run, signed)
     mine, _ = phase.train(5)
     replica = Replica(phase.t.state, UpdateLog(4))
-    replica.commit(mine.delta, ["PeerA"], mine.shard_samples)
+    replica.commit(mine.delta, ["PeerA"], mine.shard_samples, {})
     pending = Contribution([d * 0.5 for d in mine.delta], 1, {2: 8}, 2)
     path = peer_checkpoint.checkpoint_path(str(tmp_path), "t")
     assert path is not None

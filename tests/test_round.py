@@ -17,9 +17,10 @@ from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.swarm_view import HeadBook, SwarmView
-from diloco_peer.coordinator_free.update_log import UpdateLog
+from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
 from diloco_peer.errors import AllReduceFailed, CommitRefusal, LeftOut, NoGroup
 from diloco_peer.identity import Identity
+from diloco_peer.peer.certify import Certifier
 from diloco_peer.peer.delta import Contribution
 from diloco_peer.peer.heads import Activity
 from diloco_peer.peer.replica import Replica
@@ -39,6 +40,8 @@ class FakeHeads:
         self.replica, self.others = replica, others
         self.book = HeadBook(ME.peer_id_str)
         self.published: list[bool] = []
+        self.sealed: list[UpdateRecord] = []
+        """The updates the round sealed (stands in for Certifier.seal)."""
 
     def view(self) -> SwarmView:
         v, h = self.replica.version, self.replica.published_hash
@@ -96,6 +99,7 @@ def make_round(
         guard=Guard(ME, "run1", swarm), averager=lambda: averager, heads=heads,  # type: ignore[arg-type]
         activity=Activity(eta=123.0), counters=Counters(), ledger=Ledger(),
         events=events, tensorboard=TensorBoard(None), catch_up=catch_up,  # type: ignore[arg-type]
+        seal=heads.sealed.append,
     )  # fmt: skip
     return part, replica, heads, events
 
@@ -130,6 +134,14 @@ def test_alone_in_the_swarm_a_peer_applies_its_own_delta() -> None:
     assert part.ledger.last_own == (1, mine) and part.co_planners == []
     assert part.counters.rounds_done == 1 and events.names() == ["round"]
     assert replica.published_hash == replica.state.hash() and heads.published == [False]
+    # its update carries its own signed header, and its seal makes a certificate that verifies
+    (record,) = heads.sealed
+    check = Certifier(lambda: None, ME, "run1", part.swarm, allow=lambda p: True,
+                      recent_norms=lambda: [])  # fmt: skip
+    statement = check.check(record, {ME.peer_id_str: check.seal_bytes(record)})
+    assert (
+        statement.members == (ME.peer_id_str,) and statement.result_hash == replica.published_hash
+    )
 
 
 def test_a_sync_round_without_a_group_keeps_the_delta() -> None:

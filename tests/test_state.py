@@ -80,3 +80,19 @@ def test_hash_covers_scalar_tensors() -> None:
     a = ReplicatedState([torch.tensor(1.0), torch.ones(3)], outer, 2, "m")
     b = ReplicatedState([torch.tensor(2.0), torch.ones(3)], outer, 2, "m")
     assert a.hash() != b.hash()
+
+
+def test_load_rejects_outer_buffers_that_do_not_fit_the_model() -> None:
+    """A forged state whose momentum has other shapes than θ must fail to load, even on a fresh
+    peer with no buffers yet, rather than load and crash the peer at its next outer step."""
+    src = _state()
+    src.apply(_avg(0), count=1)
+    tensors, meta = src.tensors(), src.metadata()
+    assert "outer.m.0" in tensors
+    forged = dict(tensors)
+    forged["outer.m.0"] = torch.zeros(2, 6)
+    fresh = _state(seed=3)
+    with pytest.raises(ConfigError, match="shapes"):
+        fresh.load(forged, meta)
+    fresh.apply(_avg(1), count=1)  # nothing changed: the fresh state still steps
+    assert fresh.version == 1

@@ -150,16 +150,45 @@ def test_nothing_to_do_when_nobody_is_ahead() -> None:
 
 
 def test_the_highest_version_wins_even_against_more_peers_below() -> None:
-    choice = view(head(A, 5, H1), head(B, 4, H2), head(C, 4, H2), version=3).choose_head()
-    assert choice == HeadChoice(5, H1, (A,), lost_fork=False, votes={H1: 1})
+    v = view(head(A, 5, H1), head(B, 4, H2), head(C, 4, H2), version=3)
+    choice = v.choose_head(replay_window=2)  # A's word is enough for a verified replay
+    assert choice == HeadChoice(5, H1, (A,), lost_fork=False, votes={H1: 1}, endorsed=False)
 
 
 def test_at_the_top_the_hash_most_peers_hold_wins_ties_by_the_larger_hash() -> None:
     v = view(head(A, 5, H1), head(B, 5, H2), head(C, 5, H1), version=3)
     choice = v.choose_head()
     assert choice is not None and choice.state_hash == H1 and set(choice.donors) == {A, C}
-    tie = view(head(A, 5, H1), head(B, 5, H2), version=3).choose_head()
+    tie = view(head(A, 5, H1), head(B, 5, H2), version=3).choose_head(replay_window=2)
     assert tie is not None and tie.state_hash == H2 and tie.donors == (B,)
+
+
+def test_one_keys_head_is_never_downloaded_whole() -> None:
+    """The hijack of issue 16: one head far ahead (a forged state at v+1000) against honest heads;
+    or one head with another hash at our own version. Neither moves us; a quorum does."""
+    honest = [head(B, 4, H2), head(C, 4, H2), head(D, 4, H2)]
+    choice = view(head(A, 1000, H1), *honest, version=3).choose_head(replay_window=2)
+    assert choice is not None and (choice.version, choice.state_hash) == (4, H2)
+    assert choice.endorsed and set(choice.donors) == {B, C, D}
+    # ... nor at our own version, even with the larger hash of a 1:1 tie: it may only be
+    # replayed from our parent state (verified), never downloaded
+    fork = view(head(A, 3, H2), head(B, 2, H0), version=3, state_hash=H1)
+    assert fork.choose_head() is None
+    healed = fork.choose_head(replay_window=2)
+    assert healed is not None and healed.lost_fork and not healed.endorsed
+    # within the replay window it is a candidate, but only for a replay (endorsed=False)
+    near = view(head(A, 5, H1), *honest, version=3).choose_head(replay_window=2)
+    assert near is not None and near.version == 5 and not near.endorsed
+    # two keys that agree are a quorum
+    two = view(head(A, 1000, H1), head("Epeer", 1000, H1), *honest, version=3).choose_head()
+    assert two is not None and two.version == 1000 and two.endorsed
+
+
+def test_a_lone_other_peer_is_followed() -> None:
+    """With one other live peer its word is all there is (a swarm of two; a joiner of its
+    founder): the quorum is the number of live peers when fewer are live."""
+    choice = view(head(A, 50, H1), version=0).choose_head()
+    assert choice is not None and choice.version == 50 and choice.endorsed
 
 
 def test_clients_are_never_donors_but_still_vote() -> None:

@@ -163,12 +163,16 @@ class OuterOptimizer(ABC):
             "tensors": tensors,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, shapes: Sequence[tuple[int, ...]] | None = None
+    ) -> None:
         """Restore a `state_dict()`; the tensors are copied, never aliased.
 
         Raises `ConfigError` when the optimizer name or hyper-parameters differ, a counter is
         missing or invalid, or the tensors are not a complete set of consistent shapes (also
-        against this optimizer's current state, if it has one). Nothing changes on error.
+        against this optimizer's current state, if it has one, and against the parameters'
+        `shapes` when given: a state from elsewhere must fit the model before its first outer
+        step, not crash it). Nothing changes on error.
         """
         if not isinstance(state, Mapping):
             raise ConfigError("outer optimizer state must be a mapping")
@@ -190,6 +194,13 @@ class OuterOptimizer(ABC):
             raise ConfigError("outer optimizer state 'counters' must be a mapping")
         self._check_counters(counters)
         buffers = self._parse_tensors(state["tensors"])
+        if shapes is not None:
+            want = [tuple(s) for s in shapes]
+            for buf, tensors in buffers.items():
+                if [tuple(t.shape) for t in tensors] != want:
+                    raise ConfigError(
+                        f"outer optimizer state {buf!r} does not have the parameters' shapes"
+                    )
         step = counters["step"]
         if self._buffers and (step == 0) != (not buffers):
             raise ConfigError(

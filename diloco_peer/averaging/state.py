@@ -107,7 +107,9 @@ class ReplicatedState:
         outer_tensors = {
             k.removeprefix("outer."): v for k, v in tensors.items() if k.startswith("outer.")
         }
-        self.outer.load_state_dict({**outer_meta, "tensors": outer_tensors})
+        self.outer.load_state_dict(
+            {**outer_meta, "tensors": outer_tensors}, shapes=[tuple(t.shape) for t in self.theta]
+        )
         self.theta = [t.clone() for t in theta]  # type: ignore[union-attr]
         self.shard_samples = shard_samples
         self.version = version

@@ -224,7 +224,7 @@ def owner_subkey(identity: Identity) -> bytes:
     return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", ssh_key)
 
 
-def _subkey_peer_id(subkey: Any) -> str | None:
+def subkey_peer_id(subkey: Any) -> str | None:
     """The peer id of the key named by an `[owner:...]` subkey, or None if it names none."""
     if not isinstance(subkey, bytes):
         return None
@@ -281,7 +281,7 @@ class AllowlistValidator(RecordValidatorBase):
             subkey = MSGPackSerializer.loads(record.subkey)
         except Exception:  # any garbage: not a writer we know
             return False
-        return _subkey_peer_id(subkey) in self._peer_ids
+        return subkey_peer_id(subkey) in self._peer_ids
 
     @property
     def priority(self) -> int:
@@ -309,14 +309,14 @@ def record_validators(
     return validators
 
 
-def _check_seconds(name: str, value: float) -> None:
+def check_seconds(name: str, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value}")
 
 
-def _wait(future: Any, timeout_s: float, what: str) -> Any:
+def wait_dht(future: Any, timeout_s: float, what: str) -> Any:
     """The result of a hivemind MPFuture, or SwarmTimeout after `timeout_s` seconds."""
-    _check_seconds("timeout_s", timeout_s)
+    check_seconds("timeout_s", timeout_s)
     try:
         return future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
@@ -333,7 +333,7 @@ def publish_head(
     """Store this peer's head for `expiration_s` seconds; True if at least one node took it."""
     if head.peer_id != identity.peer_id_str:
         raise RecordError(f"head of {head.peer_id} cannot be published as {identity.peer_id_str}")
-    _check_seconds("expiration_s", expiration_s)
+    check_seconds("expiration_s", expiration_s)
     future = dht.store(
         heads_key(run),
         head.to_record(),
@@ -341,7 +341,7 @@ def publish_head(
         subkey=owner_subkey(identity),
         return_future=True,
     )
-    return bool(_wait(future, timeout_s, f"publishing the head of run {run}"))
+    return bool(wait_dht(future, timeout_s, f"publishing the head of run {run}"))
 
 
 def read_heads(
@@ -349,7 +349,7 @@ def read_heads(
 ) -> dict[str, PeerHead]:
     """Live peers' heads by peer id; entries not bound to their signer's key are dropped, and
     so are those of peers `allow` refuses (a private swarm's allowlist)."""
-    found = _wait(
+    found = wait_dht(
         dht.get(heads_key(run), latest=True, return_future=True),
         timeout_s,
         f"reading the heads of run {run}",
@@ -358,7 +358,7 @@ def read_heads(
         return {}
     heads: dict[str, PeerHead] = {}
     for subkey, entry in found.value.items():
-        signer = _subkey_peer_id(subkey)
+        signer = subkey_peer_id(subkey)
         try:
             head = PeerHead.from_record(entry.value)
         except RecordError as e:
@@ -385,7 +385,7 @@ def publish_manifest(
 ) -> bool:
     """Store (or refresh) a copy of the run manifest under this publisher's own subkey."""
     run = signed.manifest.run_name
-    _check_seconds("expiration_s", expiration_s)
+    check_seconds("expiration_s", expiration_s)
     future = dht.store(
         manifest_key(run),
         signed.to_bytes(),
@@ -393,7 +393,7 @@ def publish_manifest(
         subkey=owner_subkey(identity),
         return_future=True,
     )
-    return bool(_wait(future, timeout_s, f"publishing the manifest of run {run}"))
+    return bool(wait_dht(future, timeout_s, f"publishing the manifest of run {run}"))
 
 
 def fetch_manifest(
@@ -411,7 +411,7 @@ def fetch_manifest(
     one owner is taken as is, and among several the first of `prefer` (the peers this one was
     told to dial) that owns one. Among one owner's manifests the newest wins.
     """
-    found = _wait(
+    found = wait_dht(
         dht.get(manifest_key(run), latest=True, return_future=True),
         timeout_s,
         f"fetching the manifest of run {run}",

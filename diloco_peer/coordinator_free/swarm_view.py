@@ -17,6 +17,7 @@ import statistics
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from diloco_peer.config import PeerSpec
 from diloco_peer.coordinator_free.records import PeerHead
 
 HEAD_TTL_S = 60.0
@@ -27,6 +28,10 @@ SPEED_CAP = 4.0
 """DyLU reads a published speed as at most this many times the median (low) one: one peer's
 claim of 1e300 steps/s must not cut everyone's phase to one step. Real speeds in the async
 paper's profile span 2.6x the median."""
+ENDORSE_QUORUM = 2
+"""Distinct live peers that must hold a state before a peer downloads it whole (all live peers
+when fewer are live): one key's word never moves an honest peer's state (DESIGN §4). A sybil with
+this many keys can; docs/security.md says so."""
 FORGET_AFTER_TTLS = 2.0
 """`HeadBook.forget` drops heads this many TTLs old: past one TTL a head is not live and its DHT
 record has expired, so only a new head of that peer can bring it back."""
@@ -133,6 +138,9 @@ class HeadChoice:
     """We hold `version` with another hash: our branch lost, our last δ is contributed again."""
     votes: Mapping[str, int] = field(default_factory=dict)
     """Peers per state hash at `version` (we count for our own hash at our version)."""
+    endorsed: bool = True
+    """Enough distinct peers hold it (`ENDORSE_QUORUM`) for a full-state download; if not, it
+    is within the replay window and catch-up may only replay to it, verifying each update."""
 
 
 @dataclass(frozen=True)
@@ -151,22 +159,37 @@ class SwarmView:
     def others(self) -> dict[str, PeerHead]:
         return {p: h for p, h in self.heads.items() if p != self.me}
 
-    def choose_head(self) -> HeadChoice | None:
+    def choose_head(self, *, replay_window: int = 0) -> HeadChoice | None:
         """The head to move to, or None when there is nothing to do.
 
-        The head is the highest version live peers advertise; among its state hashes the one
-        most peers hold wins, ties broken by the larger hash (DESIGN §3 counts contributions;
-        peers on the branch are the proxy for that). At our own version we vote for our hash:
-        None if it wins, a `lost_fork` choice if another hash does.
+        Only a state vouched for may be followed (DESIGN §4, certified history): one that at
+        least `ENDORSE_QUORUM` distinct live peers hold (all of them, when fewer are live), or
+        one at most `replay_window` versions above ours (or at ours, on another branch), which
+        catch-up reaches only by replaying updates whose certificates it verifies (from our
+        parent state, for a fork at our version): `endorsed` is False. One key's head at
+        version v+1000 is nobody's head but its own.
+
+        The head is the highest version such a state has; among its state hashes the one most
+        peers hold wins, ties broken by the larger hash (DESIGN §3 counts contributions; peers
+        on the branch are the proxy for that). At our own version we vote for our hash: None if
+        it wins, a `lost_fork` choice if another hash does.
         """
         others = self.others().values()
-        top = max((h.version for h in others), default=-1)
-        if top < self.version:
-            return None
-        votes: dict[str, int] = {}
+        holders: dict[tuple[int, str], set[str]] = {}
         for h in others:
-            if h.version == top:
-                votes[h.state_hash] = votes.get(h.state_hash, 0) + 1
+            holders.setdefault((h.version, h.state_hash), set()).add(h.peer_id)
+        quorum = min(ENDORSE_QUORUM, len(self.others()))
+
+        def vouched(version: int, state_hash: str) -> bool:
+            if len(holders[(version, state_hash)]) >= quorum:
+                return True
+            return 0 <= version - self.version <= replay_window and replay_window > 0
+
+        states = [vs for vs in holders if vs[0] >= self.version and vouched(*vs)]
+        if not states:
+            return None
+        top = max(version for version, _ in states)
+        votes = {h: len(holders[(v, h)]) for v, h in states if v == top}
         if top == self.version:
             votes[self.state_hash] = votes.get(self.state_hash, 0) + 1
         want = max(votes, key=lambda x: (votes[x], x))
@@ -175,7 +198,10 @@ class SwarmView:
         donors = tuple(
             h.peer_id for h in others if h.version == top and h.state_hash == want and not h.client
         )
-        return HeadChoice(top, want, donors, lost_fork=top == self.version, votes=votes)
+        endorsed = len(holders[(top, want)]) >= quorum
+        return HeadChoice(
+            top, want, donors, lost_fork=top == self.version, votes=votes, endorsed=endorsed
+        )
 
     def expected_soon(self, now: float, grace_s: float) -> list[str]:
         """Async: the peers worth waiting for (DHT time `now`): in a group search at our state,
@@ -250,6 +276,28 @@ class SwarmView:
                 continue  # gone, or its plan is already counted as in flight
             unseen += steps_of.get(p, probe_steps)
         return unseen
+
+
+def run_ended(
+    spec: PeerSpec,
+    *,
+    rounds_done: int,
+    version: int,
+    departed_version: int,
+    applied_steps: int,
+    elapsed_s: float,
+) -> bool:
+    """Whether this peer's run is over: --max-rounds, --until-version, --until-steps or
+    --max-hours reached (each 0: no such limit)."""
+    return (
+        bool(spec.max_rounds and rounds_done >= spec.max_rounds)
+        or bool(spec.until_version and version >= spec.until_version)
+        # the others reached the run's end and left while this peer trained: applying its δ
+        # alone now would only make a state nobody else holds
+        or bool(spec.until_version and departed_version >= spec.until_version)
+        or bool(spec.until_steps and applied_steps >= spec.until_steps)
+        or bool(spec.max_hours and elapsed_s >= spec.max_hours * 3600)
+    )
 
 
 def forks(heads: Iterable[PeerHead]) -> dict[int, list[str]]:

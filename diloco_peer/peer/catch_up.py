@@ -14,10 +14,11 @@ import enum
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from diloco_peer.averaging.certificate import CertificateError
 from diloco_peer.coordinator_free.state_transfer import (
     StateBlob,
     StateTransferFailed,
@@ -79,6 +80,8 @@ class Replay(enum.Enum):
     DONE = "done"
     FORK = "fork"
     """The donor's chain does not start from our state: our branch lost a fork."""
+    HEALED = "healed"
+    """Done, from our parent state: our branch lost a fork at our version."""
     FAILED = "failed"
 
 
@@ -100,9 +103,19 @@ class CaughtUp:
 class CatchUp:
     """Moves a replica to a chosen head, by replay or download (see the module docstring)."""
 
-    def __init__(self, replica: Replica, downloads: Downloads, *, me: str, keep_updates: int):
+    def __init__(
+        self,
+        replica: Replica,
+        downloads: Downloads,
+        *,
+        me: str,
+        keep_updates: int,
+        verify: Callable[[UpdateRecord], None],
+    ):
         self.replica, self.downloads = replica, downloads
         self.me, self.keep_updates = me, keep_updates
+        self.verify = verify
+        """Raises CertificateError unless a replayed update is certified (peer/certify.py)."""
 
     def run(self, choice: HeadChoice, *, probe_fork: bool = False) -> CaughtUp | None:
         """Move to `choice`; None (the replica unchanged) if no donor gave the chosen state.
@@ -116,17 +129,17 @@ class CatchUp:
         state, t0 = self.replica.state, time.time()
         old_version, lost_fork = state.version, choice.lost_fork
         missed = choice.version - old_version
-        model_bytes = 4 * sum(t.numel() for t in state.theta)
-        blob = self.replica.blob
-        full_bytes = len(blob.data) if blob is not None else 0
-        horizon = min(self.keep_updates, replay_horizon(model_bytes, full_bytes))
+        horizon = self.replay_window()
         moved: tuple[str, str, int] | None = None  # method, donor, bytes
-        replay = 0 < missed <= horizon  # the donors keep these (update_log.log_capacity)
+        # the donors keep these (update_log.log_capacity); a fork at our version is healed by
+        # replaying the winning branch from our parent state
+        replay = 0 < missed <= horizon or (missed == 0 and horizon > 0)
         if replay:
             for donor in donors[:REPLAY_DONORS]:
                 outcome, nbytes = self._replay(donor, choice.version, choice.state_hash)
-                if outcome is Replay.DONE:
+                if outcome in (Replay.DONE, Replay.HEALED):
                     moved = ("replay", donor, nbytes)
+                    lost_fork = lost_fork or outcome is Replay.HEALED
                     break
                 if outcome is Replay.FORK:
                     lost_fork = True
@@ -134,7 +147,7 @@ class CatchUp:
         probed = 0
         if moved is None and probe_fork and not replay and 0 < missed <= self.keep_updates:
             lost_fork, probed = self._forked(donors, old_version)
-        if moved is None:
+        if moved is None and choice.endorsed:  # one key's word is replayed, never downloaded
             moved = self._download(donors, choice)
         if moved is None:
             return None
@@ -142,36 +155,64 @@ class CatchUp:
         method, donor, nbytes = moved
         return CaughtUp(method, donor, probed + nbytes, time.time() - t0, old_version, lost_fork)
 
+    def replay_window(self) -> int:
+        """Versions ahead a replay reaches (our log's capacity, and while the missed updates
+        cost less than the state): `SwarmView.choose_head` follows one key's head that far."""
+        model_bytes = 4 * sum(t.numel() for t in self.replica.state.theta)
+        blob = self.replica.blob
+        full_bytes = len(blob.data) if blob is not None else 0
+        return min(self.keep_updates, replay_horizon(model_bytes, full_bytes))
+
     def _replay(self, donor: str, top: int, want: str) -> tuple[Replay, int]:
         """Replay updates from our version up to `top` from `donor`'s log, with the bytes it
-        took. On failure the replica goes back to its snapshot."""
+        took. If the donor's chain forks off ours at our version, replay it from our parent
+        state instead (HEALED), when we keep it. On failure the replica goes back to its
+        snapshot."""
         replica = self.replica
         shapes = [tuple(t.shape) for t in replica.state.theta]
         nbytes = 0
         replayed: list[UpdateRecord] = []
+        from_parent = top == replica.version  # a fork at our version: only the parent helps
         try:
-            for base in range(replica.version, top):
-                data = self.downloads.update(donor, base)
-                nbytes += len(data)
-                record = UpdateRecord.from_bytes(data, shapes=shapes)
-                if record.base_version != base:
-                    raise ValueError(f"asked for version {base}, got {record.base_version}")
-                if record.base_hash != replica.state.hash():
-                    if base == replica.published_version:
+            while True:
+                if from_parent:
+                    if not self._has_parent():
                         replica.restore()
                         return Replay.FORK, nbytes
-                    raise ValueError(f"update {base} does not extend version {base}")
-                replica.apply_record(record)
-                replayed.append(record)
+                    replica.load_parent()
+                forked = False
+                for base in range(replica.version, top):
+                    data = self.downloads.update(donor, base)
+                    nbytes += len(data)
+                    record = UpdateRecord.from_bytes(data, shapes=shapes)
+                    if record.base_version != base:
+                        raise ValueError(f"asked for version {base}, got {record.base_version}")
+                    if record.base_hash != replica.state.hash():
+                        if base == replica.published_version and not from_parent:
+                            forked = True
+                            break
+                        raise ValueError(f"update {base} does not extend version {base}")
+                    self.verify(record)
+                    replica.apply_record(record)
+                    replayed.append(record)
+                if not forked:
+                    break
+                replica.restore()
+                replayed.clear()
+                from_parent = True
             if replica.state.hash() != want:
                 raise ValueError("replayed state does not hash to the head's hash")
-        except (StateTransferFailed, ValueError, ConfigError) as e:
+        except (StateTransferFailed, ValueError, ConfigError, CertificateError) as e:
             log.info("[%s] replay from %s failed: %s", self._tag(), donor[-6:], e)
             replica.restore()
             return Replay.FAILED, nbytes
         for record in replayed:
             replica.keep(record)
-        return Replay.DONE, nbytes
+        return (Replay.HEALED if from_parent else Replay.DONE), nbytes
+
+    def _has_parent(self) -> bool:
+        parent = self.replica.parent
+        return parent is not None and parent.version == self.replica.published_version - 1
 
     def _forked(self, donors: list[str], version: int) -> tuple[bool, int]:
         """Whether our state at `version` is off the branch of the head's donors (the update

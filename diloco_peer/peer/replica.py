@@ -9,13 +9,16 @@ blob's hash is the one the peer's head advertises while the state is being chang
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from diloco_peer.averaging.certificate import pack_headers
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.coordinator_free.state_transfer import StateBlob
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
@@ -23,6 +26,9 @@ from diloco_peer.errors import BadInput, ConfigError
 from diloco_peer.peer.checkpoint import atomic_write, safetensors_metadata
 
 log = logging.getLogger(__name__)
+
+RECENT_NORMS = 8
+"""Applied updates whose norms `recent_norms` remembers."""
 
 
 class Replica:
@@ -35,6 +41,15 @@ class Replica:
         self.updates = updates
         self.record_dir = Path(record_dir) if record_dir else None
         self.blob: StateBlob | None = None
+        self.parent: StateBlob | None = None
+        """The snapshot of the version just below ours, while we hold the one right after it: a
+        fork at our version heals by replaying the winning branch from it (catch_up.py), which
+        verifies that branch's certificate; downloading it whole would take one key's word."""
+        self._norms: deque[float] = deque(maxlen=RECENT_NORMS)
+
+    def recent_norms(self) -> list[float]:
+        """Norms of the last updates applied here (a replayed one is screened against them)."""
+        return list(self._norms)
 
     # ----- the published snapshot
 
@@ -42,7 +57,12 @@ class Replica:
         """Cache the serialised state the state server hands out (immutable bytes), and size
         the update log to what a replay can ask for against a state of that size."""
         data = st_save(self.state.tensors(), metadata=self.state.metadata())
-        self.blob = StateBlob(version=self.state.version, state_hash=self.state.hash(), data=data)
+        blob = StateBlob(version=self.state.version, state_hash=self.state.hash(), data=data)
+        if self.blob is not None and blob.version == self.blob.version + 1:
+            self.parent = self.blob
+        elif self.blob is None or blob.version != self.blob.version:
+            self.parent = None  # a jump: we never held the version below this one
+        self.blob = blob
         self.updates.fit(self.update_bytes(), len(data))
 
     def update_bytes(self) -> int:
@@ -61,6 +81,12 @@ class Replica:
     @property
     def published_version(self) -> int:
         return self.blob.version if self.blob is not None else self.state.version
+
+    def load_parent(self) -> None:
+        """Back to the version below ours (`parent`), to replay another branch from it."""
+        if self.parent is None:
+            raise ValueError("no parent state kept")
+        self.load(self.parent.data)
 
     def restore(self) -> None:
         """Back to the state of the snapshot (our last published version)."""
@@ -84,16 +110,18 @@ class Replica:
         average: Sequence[torch.Tensor],
         members: Sequence[str],
         shard_samples: dict[int, int],
+        headers: Mapping[str, bytes],
     ) -> UpdateRecord:
         """Apply a group's average as the next version (identical on every member), keep the
-        update for replay and publish the new snapshot."""
+        update for replay, with the members' signed `headers` for its certificate
+        (peer/certify.py), and publish the new snapshot."""
         base_version, base_hash = self.state.version, self.published_hash
         self.state.apply(average, len(members), shard_samples)
         record = UpdateRecord(
             base_version=base_version, base_hash=base_hash, result_hash=self.state.hash(),
             count=len(members), shard_samples=dict(shard_samples),
             average=tuple(a.to("cpu", torch.float32).contiguous() for a in average),
-            info={"members": ",".join(members)},
+            info={"members": ",".join(members), "headers": pack_headers(headers)},
         )  # fmt: skip
         self.keep(record)
         self.snapshot()
@@ -108,6 +136,8 @@ class Replica:
     def keep(self, record: UpdateRecord) -> None:
         """Keep an applied update for others to replay (and on disk with --record-updates)."""
         self.updates.append(record)
+        squares = sum(float(a.double().square().sum()) for a in record.average)
+        self._norms.append(math.sqrt(squares))
         if self.record_dir is not None:
             path = self.record_dir / f"update-{record.base_version:08d}.safetensors"
             data = self.updates.get(record.base_version) or record.to_bytes()

@@ -20,6 +20,7 @@ from hivemind.utils import get_dht_time
 
 from diloco_peer.averaging.group_averager import GroupAverager, GroupResult
 from diloco_peer.config import SwarmSettings
+from diloco_peer.coordinator_free.update_log import UpdateRecord
 from diloco_peer.errors import AllReduceFailed, LeftOut, NoGroup
 from diloco_peer.peer.delta import Contribution
 from diloco_peer.peer.events import EventLog
@@ -111,11 +112,14 @@ class Round:
         events: EventLog,
         tensorboard: TensorBoard,
         catch_up: Callable[[], bool],
+        seal: Callable[[UpdateRecord], None],
     ) -> None:
         self.me, self.swarm, self.replica, self.training = me, swarm, replica, training
         self.guard, self._averager, self.heads = guard, averager, heads
         self.activity, self.counters, self.ledger = activity, counters, ledger
         self.events, self.tensorboard, self._catch_up = events, tensorboard, catch_up
+        self._seal = seal
+        """Signs what we commit and stores the seal (peer/certify.py `Certifier.seal`)."""
         self.co_planners: list[str] = []
         """The other members of the group committed last: they plan their next phase with us."""
         self._waited_again = False
@@ -148,7 +152,7 @@ class Round:
             others = view.expected_soon(get_dht_time(), self.swarm.grace_s)
         if not others:  # alone in the swarm (Lookahead mode), or nobody worth waiting for
             return self.commit(mine, [self.me], None, loss, t0)
-        key, offer, weight = self._offer(mine)
+        key, offer, weight = self._offer(mine, announce=True)
         waited = time.time()
         try:
             result = self._averager().average(
@@ -182,10 +186,10 @@ class Round:
             self.guard.staleness(result, self.replica.version),
         )  # fmt: skip
 
-    def _offer(self, mine: Contribution) -> tuple[str, Offer, float]:
+    def _offer(self, mine: Contribution, *, announce: bool) -> tuple[str, Offer, float]:
         """Sign `mine` for a group keyed by our version and state (peers on two branches of a
-        fork never average together: each would apply the average to another base), and say
-        that we are looking for one."""
+        fork never average together: each would apply the average to another base), and, if
+        `announce`, say that we are looking for one."""
         version, state_hash = self.replica.version, self.replica.published_hash
         key = f"v{version}_{state_hash[:16]}"
         offer = self.guard.offer(
@@ -195,7 +199,8 @@ class Round:
         weight = (
             float(sum(mine.shard_samples.values())) if self.swarm.weighting == "samples" else 1.0
         )
-        self.heads.publish(in_group=True)
+        if announce:
+            self.heads.publish(in_group=True)
         return key, offer, weight
 
     def _no_group(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome:
@@ -228,10 +233,15 @@ class Round:
         every member."""
         comm_s = time.time() - t0
         staleness = self.replica.version - mine.base_version
+        if result is None:  # a lone commit: our own signed header is its certificate's
+            headers = {self.me: self._offer(mine, announce=False)[1].gather}
+        else:
+            headers = self.guard.signed_headers(members)
         record = self.replica.commit(
             mine.delta if result is None else result.average, members,
-            mine.shard_samples if group_shards is None else group_shards,
+            mine.shard_samples if group_shards is None else group_shards, headers,
         )  # fmt: skip
+        self._seal(record)
         self.ledger.last_own = (self.replica.version, mine)
         self.activity.idle()
         self.co_planners = [p for p in members if p != self.me]

@@ -11,13 +11,14 @@ grace period) -> apply (outer step on CPU fp32, replicated) -> publish the new h
     replica.py          the replicated state, its published snapshot, the update log
     heads.py            this peer's head on the DHT, the others' heads (the HeadBook)
     catch_up.py         replay or download to the head `SwarmView.choose_head` picks
+    certify.py          seal what we commit, verify the certificate of what we replay
     phase.py            planning and inner training (δ)
     round.py            contribute, commit or keep (a typed outcome), the δ ledger
     peer_checkpoint.py  save and resume
     telemetry.py        counters, round report, metrics, TensorBoard
 
-The swarm's rules (liveness, the fork vote, whom to wait for) are pure functions in
-coordinator_free/swarm_view.py. Faults for tests arrive as a `FaultPlan`.
+The swarm's rules (liveness, the fork vote, whom to wait for, the run's end) are pure functions
+in coordinator_free/swarm_view.py. Faults for tests arrive as a `FaultPlan`.
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.reachability import Verdict
 from diloco_peer.coordinator_free.rejoin import Rejoiner
+from diloco_peer.coordinator_free.swarm_view import run_ended
 from diloco_peer.coordinator_free.update_log import UpdateLog
 from diloco_peer.identity import Identity
 from diloco_peer.lifeline import Lifeline
 from diloco_peer.peer import peer_checkpoint
 from diloco_peer.peer.catch_up import CatchUp
+from diloco_peer.peer.certify import Certifier
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.faults import FaultPlan
 from diloco_peer.peer.heads import Activity, Facts, HeadChannel, Heartbeat
@@ -76,28 +79,6 @@ log = logging.getLogger(__name__)
 
 SETTLE_MAX_S = 60.0
 """At the run's end, how long a peer waits at most for peers still in a phase (`_settle`)."""
-
-
-def run_ended(
-    spec: PeerSpec,
-    *,
-    rounds_done: int,
-    version: int,
-    departed_version: int,
-    applied_steps: int,
-    elapsed_s: float,
-) -> bool:
-    """Whether this peer's run is over: --max-rounds, --until-version, --until-steps or
-    --max-hours reached (each 0: no such limit)."""
-    return (
-        bool(spec.max_rounds and rounds_done >= spec.max_rounds)
-        or bool(spec.until_version and version >= spec.until_version)
-        # the others reached the run's end and left while this peer trained: applying its δ
-        # alone now would only make a state nobody else holds
-        or bool(spec.until_version and departed_version >= spec.until_version)
-        or bool(spec.until_steps and applied_steps >= spec.until_steps)
-        or bool(spec.max_hours and elapsed_s >= spec.max_hours * 3600)
-    )
 
 
 class SwarmPeer:
@@ -187,7 +168,8 @@ class SwarmPeer:
             allow=self._allowed,
         )  # fmt: skip
         self.catching_up = CatchUp(self.replica, self.net.downloads(), me=self.peer_id,
-                                   keep_updates=self.swarm.keep_updates)  # fmt: skip
+                                   keep_updates=self.swarm.keep_updates,
+                                   verify=self.certifier.verify)  # fmt: skip
         self._resume(ckpt)
         self.replica.snapshot()
         self.heads.publish()
@@ -216,6 +198,8 @@ class SwarmPeer:
         self.guard = Guard(self.identity, spec.run_name, swarm, allow=self._allowed,
                            chaos=self.faults.chaos)  # fmt: skip
         self.tensorboard = TensorBoard(spec.tensorboard)
+        self.certifier = Certifier(lambda: self.node.dht if self.node else None, self.identity,
+            spec.run_name, swarm, allow=self._allowed, recent_norms=self.replica.recent_norms)  # fmt: skip
         facts = Facts(
             speed=lambda: trainer.speed.steps_per_s, batch_size=run.batch_size,
             client_mode=lambda: self.node is not None and self.node.client_mode,
@@ -238,6 +222,7 @@ class SwarmPeer:
             guard=self.guard, averager=lambda: self._network().averager, heads=self.heads,
             activity=self.activity, counters=self.counters, ledger=self.ledger,
             events=self.events, tensorboard=self.tensorboard, catch_up=self.catch_up,
+            seal=self.certifier.seal,
         )  # fmt: skip
 
     def _probe(self, prefix: str, key_path: Path, validators: list[Any]) -> None:
@@ -326,7 +311,7 @@ class SwarmPeer:
         """Move to the swarm's head if live peers are ahead, or heal a fork at our version (the
         head choice: `SwarmView.choose_head`). A peer whose branch lost contributes its last δ
         again."""
-        choice = self.heads.view().choose_head()
+        choice = self.heads.view().choose_head(replay_window=self.catching_up.replay_window())
         if choice is None:
             return False
         moved = self.catching_up.run(choice, probe_fork=self.ledger.owns(self.state.version))

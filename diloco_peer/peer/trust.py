@@ -67,6 +67,8 @@ class Guard:
         self.nonces = NonceMemory()
         self.admitted: dict[str, ContributionHeader] = {}
         """Headers admitted in the last screened group (their shard counts feed the sampler)."""
+        self.admitted_bytes: dict[str, bytes] = {}
+        """... and their signed bytes, which go into the commit's certificate."""
         self._exclusions: list[tuple[str, str]] = []
         self._lock = threading.Lock()  # exclusions come from the network loop and the round
 
@@ -122,6 +124,7 @@ class Guard:
             screening = screen_group(gathered, rnd, allow=self.allow, seen=self.nonces.seen)
             self.nonces.remember(screening.accepted)
             self.admitted = screening.accepted
+            self.admitted_bytes = {p: gathered[p] for p in screening.accepted}
             for peer, reason in screening.excluded.items():
                 self._exclude(peer, reason, rnd.version)
             return Admission(
@@ -164,6 +167,10 @@ class Guard:
         with self._lock:
             out, self._exclusions = self._exclusions, []
         return out
+
+    def signed_headers(self, members: list[str]) -> dict[str, bytes]:
+        """The signed headers of `members` admitted in the last group (certificate.py)."""
+        return {p: self.admitted_bytes[p] for p in members if p in self.admitted_bytes}
 
     def group_shards(self, result: GroupResult) -> dict[int, int]:
         """Samples per shard of the contributions in the average (the sampler's counters)."""

@@ -1,0 +1,213 @@
+"""Commit certificates (DESIGN §4, certified history): version v+1 exists only with the proof that
+the members who made it signed it.
+
+A member that applies a group's average (or its own δ, alone) signs a `Statement`: run, base
+version v, base hash, result hash, the sorted members whose δs are in the average, their count.
+That `seal` goes to the DHT (`records.publish_seal`); the update record it kept for replay
+carries the members' signed contribution headers. A peer replaying version v+1 from any donor
+verifies the whole (`verify_update`), a pure function of the record, the seals and this run's
+rules:
+
+- every member's header verifies under the member's key, is for this run, this base version and
+  base hash, within the staleness limit, and the member is allowed (private swarms);
+- every member sealed exactly this statement (the result hash included): a donor cannot pass off
+  another average for the group's, since the replayed state must hash to the result they signed;
+- the samples per shard the update adds are the sum of the headers' (no shard counter of 1e15);
+- the average is no longer than the members' declared δs allow (root of the sum of their squared
+  norms, with slack for compressed all-reduces), and no longer than `history_factor` times the
+  median of the updates this peer applied recently: it is screened as a contribution is;
+- a lone commit (one member: an async group of one) has one signature, so one key's word: its
+  average must be exactly the δ its header digests, which the screens above bound.
+
+Nothing here touches the network or a clock.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from diloco_peer.averaging.contribution import (
+    ContributionHeader,
+    ContributionRejected,
+    delta_digest,
+)
+from diloco_peer.errors import DilocoError
+from diloco_peer.identity import Identity, verify
+
+FORMAT = "diloco-peer/seal-v1"
+_SIGNING_CONTEXT = FORMAT.encode() + b"\n"
+MAX_SEAL_BYTES = 4096
+"""A seal is a short statement digest's worth of JSON plus one RSA signature."""
+MAX_MEMBERS = 256
+"""Members one certificate may name (a group is far smaller)."""
+NORM_SLACK = 1.25
+"""How much longer than its members' declared δs allow an average may be: fp16 and 4-/8-bit
+blockwise codes round each value, which can lengthen the decoded vector by a few percent."""
+HISTORY_FACTOR = 8.0
+"""A replayed average may be at most this many times the median norm of the updates this peer
+applied recently (2 x the admission bound of 4: a lone commit's δ is not averaged down)."""
+HISTORY_MIN = 3
+"""Updates this peer must have applied before the history screen applies (a joiner has none)."""
+_HEX = re.compile(r"[0-9a-f]{1,128}\Z")
+
+
+class CertificateError(DilocoError):
+    """An update's certificate is missing a part, does not verify, or breaks a rule."""
+
+
+@dataclass(frozen=True)
+class Statement:
+    """What every member of a commit signs: version `base_version` + 1 is this update."""
+
+    run: str
+    base_version: int
+    base_hash: str
+    result_hash: str
+    members: tuple[str, ...]
+    """Sorted peer ids whose δs are in the average."""
+
+    @property
+    def count(self) -> int:
+        return len(self.members)
+
+    def canonical_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT, "run": self.run, "base_version": self.base_version,
+            "base_hash": self.base_hash, "result_hash": self.result_hash,
+            "members": list(self.members), "count": self.count,
+        }  # fmt: skip
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+def seal(identity: Identity, statement: Statement) -> bytes:
+    """This member's seal of `statement`: the statement and its signature, as JSON bytes."""
+    canonical = statement.canonical_bytes()
+    signature = identity.sign(_SIGNING_CONTEXT + canonical)
+    envelope = {
+        "statement": canonical.decode("ascii"),
+        "signature": base64.b64encode(signature).decode("ascii"),
+    }
+    return json.dumps(envelope, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+def seal_verifies(data: object, statement: Statement, public_key: bytes) -> bool:
+    """Whether `data` is a seal of exactly `statement` signed by `public_key` (any bytes)."""
+    if not isinstance(data, bytes) or len(data) > MAX_SEAL_BYTES:
+        return False
+    try:
+        envelope = json.loads(data)
+        if not isinstance(envelope, dict) or set(envelope) != {"statement", "signature"}:
+            return False
+        text, signature = envelope["statement"], envelope["signature"]
+        if not isinstance(text, str) or not isinstance(signature, str):
+            return False
+        canonical = statement.canonical_bytes()
+        if text.encode("ascii") != canonical:
+            return False
+        raw = base64.b64decode(signature, validate=True)
+    except (ValueError, UnicodeError, binascii.Error, RecursionError):
+        return False
+    return verify(public_key, _SIGNING_CONTEXT + canonical, raw)
+
+
+def pack_headers(headers: Mapping[str, bytes]) -> str:
+    """The members' signed headers as one JSON text (an update record's `info["headers"]`)."""
+    return json.dumps({p: h.decode("ascii") for p, h in sorted(headers.items())}, sort_keys=True)
+
+
+def unpack_headers(text: object) -> dict[str, bytes]:
+    """The inverse of `pack_headers`; CertificateError for anything else."""
+    if not isinstance(text, str):
+        raise CertificateError("the update carries no contribution headers")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        raise CertificateError("the update's headers are not JSON") from None
+    if not isinstance(doc, dict) or not 1 <= len(doc) <= MAX_MEMBERS:
+        raise CertificateError(f"the update must carry 1 to {MAX_MEMBERS} headers")
+    if not all(isinstance(p, str) and isinstance(h, str) for p, h in doc.items()):
+        raise CertificateError("the update's headers must map peer ids to text")
+    try:
+        return {p: h.encode("ascii") for p, h in doc.items()}
+    except UnicodeError:
+        raise CertificateError("the update's headers are not ASCII") from None
+
+
+@dataclass(frozen=True)
+class Rules:
+    """This run's rules for a replayed update, and what this peer has seen."""
+
+    run: str
+    staleness_limit: int
+    allow: Callable[[str], bool]
+    recent_norms: Sequence[float] = ()
+    """Norms of the last updates this peer applied (the history screen)."""
+
+
+def verify_update(
+    *,
+    base_version: int,
+    base_hash: str,
+    result_hash: str,
+    count: int,
+    shard_samples: Mapping[int, int],
+    average: Sequence[Tensor],
+    headers: Mapping[str, bytes],
+    seals: Mapping[str, bytes],
+    rules: Rules,
+) -> Statement:
+    """The verified statement of one update, or CertificateError saying which rule it breaks."""
+    members = tuple(sorted(headers))
+    if count != len(members):
+        raise CertificateError(f"the update counts {count} members but carries {len(members)}")
+    if not _HEX.fullmatch(base_hash) or not _HEX.fullmatch(result_hash):
+        raise CertificateError("the update's hashes are malformed")
+    statement = Statement(rules.run, base_version, base_hash, result_hash, members)
+    parsed: dict[str, ContributionHeader] = {}
+    for member in members:
+        try:
+            header = ContributionHeader.verify_bytes(headers[member], member)
+        except ContributionRejected as e:
+            raise CertificateError(f"header of {member[-8:]}: {e}") from None
+        if header.run != rules.run:
+            raise CertificateError(f"header of {member[-8:]} is for another run")
+        if header.version != base_version or header.state_hash != base_hash:
+            raise CertificateError(f"header of {member[-8:]} is for another version or state")
+        if not 0 <= header.version - header.base_version <= rules.staleness_limit:
+            raise CertificateError(f"header of {member[-8:]} is staler than the limit")
+        if not rules.allow(member):
+            raise CertificateError(f"{member[-8:]} may not contribute to this run")
+        if not seal_verifies(seals.get(member), statement, header.public_key):
+            raise CertificateError(f"no valid seal of {member[-8:]} for this update")
+        parsed[member] = header
+    totals: dict[int, int] = {}
+    for header in parsed.values():
+        for shard, samples in header.shards.items():
+            totals[shard] = totals.get(shard, 0) + samples
+    if {s: n for s, n in totals.items() if n} != {s: n for s, n in shard_samples.items() if n}:
+        raise CertificateError("the update's samples per shard are not its headers' sum")
+    norm, digest = delta_digest(average)
+    if len(members) == 1:
+        if digest != parsed[members[0]].digest:
+            raise CertificateError("a lone commit's average is not the δ its header names")
+    else:
+        bound = NORM_SLACK * math.sqrt(sum(h.norm**2 for h in parsed.values()))
+        if norm > bound:
+            raise CertificateError(f"average norm {norm:.3g} exceeds its members' {bound:.3g}")
+    recent = [n for n in rules.recent_norms if n > 0]
+    if len(recent) >= HISTORY_MIN:
+        limit = HISTORY_FACTOR * statistics.median(recent)
+        if norm > limit:
+            raise CertificateError(
+                f"average norm {norm:.3g} is over {HISTORY_FACTOR:g}x the recent updates' median"
+            )
+    return statement

@@ -1,0 +1,123 @@
+"""This peer's side of certified history (DESIGN §4): it seals what it commits, and verifies the
+certificate of every update it replays (the rules: averaging/certificate.py).
+
+    certifier.seal(record)     # after a commit: our signature over it, into the DHT
+    certifier.verify(record)   # before a replayed update is applied; CertificateError if not
+
+A commit's seals come from every member within moments of each other; a peer that replays an
+update right after it was made may read the DHT before the last seal is stored, so `verify`
+reads again a few times (bounded) before it refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from hivemind.dht import DHT
+
+from diloco_peer.averaging.certificate import (
+    CertificateError,
+    Rules,
+    Statement,
+    seal,
+    unpack_headers,
+    verify_update,
+)
+from diloco_peer.config import SwarmSettings
+from diloco_peer.coordinator_free import seals
+from diloco_peer.coordinator_free.update_log import UpdateRecord
+from diloco_peer.errors import SwarmTimeout
+from diloco_peer.identity import Identity
+
+log = logging.getLogger(__name__)
+
+SEAL_TIMEOUT_S = 5.0
+"""One DHT store or read of seals."""
+SEAL_WAIT_S = 3.0
+"""How long `verify` keeps reading for seals still missing (members store theirs as they
+commit, within moments of each other)."""
+_REREAD_S = 0.5
+
+
+class Certifier:
+    """Seals this peer's commits and verifies replayed ones (see the module docstring)."""
+
+    def __init__(
+        self,
+        dht: Callable[[], DHT | None],
+        identity: Identity,
+        run_name: str,
+        swarm: SwarmSettings,
+        *,
+        allow: Callable[[str], bool],
+        recent_norms: Callable[[], list[float]],
+    ) -> None:
+        self._dht, self.identity, self.run_name, self.swarm = dht, identity, run_name, swarm
+        self.allow, self.recent_norms = allow, recent_norms
+
+    def statement(self, record: UpdateRecord) -> Statement:
+        members = tuple(sorted(unpack_headers(record.info.get("headers"))))
+        return Statement(
+            self.run_name, record.base_version, record.base_hash, record.result_hash, members
+        )
+
+    def seal(self, record: UpdateRecord) -> None:
+        """Sign the update we just committed and store the seal (a failure is logged: our
+        commit stands, but others cannot replay it from a certificate missing our seal)."""
+        dht = self._dht()
+        if dht is None:
+            return
+        data = self.seal_bytes(record)
+        try:
+            seals.publish_seal(
+                dht, self.identity, self.run_name, record.base_version, data,
+                expiration_s=seals.SEAL_EXPIRATION_S, timeout_s=SEAL_TIMEOUT_S,
+            )  # fmt: skip
+        except SwarmTimeout as e:
+            log.warning("[%s] seal of v%d not stored: %s", self.identity.peer_id_str[-6:],
+                        record.base_version + 1, e)  # fmt: skip
+
+    def seal_bytes(self, record: UpdateRecord) -> bytes:
+        """Our seal of an update we committed."""
+        return seal(self.identity, self.statement(record))
+
+    def verify(self, record: UpdateRecord) -> None:
+        """CertificateError unless `record` carries a valid certificate, its seals read from
+        the DHT (certificate.py)."""
+        headers = unpack_headers(record.info.get("headers"))
+        deadline = time.monotonic() + SEAL_WAIT_S
+        while True:
+            found = self._read(record.base_version)
+            try:
+                self.check(record, found)
+                return
+            except CertificateError:
+                if set(headers) <= set(found) or time.monotonic() >= deadline:
+                    raise  # every seal is there and one is wrong, or they never came
+            time.sleep(_REREAD_S)
+
+    def check(self, record: UpdateRecord, found: dict[str, bytes]) -> Statement:
+        """The rules of certificate.py on `record` with the seals `found` (pure)."""
+        rules = Rules(
+            run=self.run_name, staleness_limit=self.swarm.staleness_limit, allow=self.allow,
+            recent_norms=self.recent_norms(),
+        )  # fmt: skip
+        return verify_update(
+            base_version=record.base_version, base_hash=record.base_hash,
+            result_hash=record.result_hash, count=record.count,
+            shard_samples=record.shard_samples, average=record.average,
+            headers=unpack_headers(record.info.get("headers")), seals=found, rules=rules,
+        )  # fmt: skip
+
+    def _read(self, base_version: int) -> dict[str, bytes]:
+        dht = self._dht()
+        if dht is None:
+            return {}
+        try:
+            return seals.read_seals(dht, self.run_name, base_version, timeout_s=SEAL_TIMEOUT_S)
+        except SwarmTimeout as e:
+            log.info("[%s] reading the seals of v%d: %s", self.identity.peer_id_str[-6:],
+                     base_version + 1, e)  # fmt: skip
+            return {}
