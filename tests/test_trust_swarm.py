@@ -44,7 +44,10 @@ def _wait_all(procs: list, timeout_s: float) -> None:
 def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: LocalSwarm, mode: str) -> None:
     """3 honest peers + 1 hostile: nan is caught by the part reducers, signflip by their
     direction check, forge at admission. Honest states stay finite and on one branch, the
-    hostile peer's δ is in no average, and `status` shows it banned while the run is live."""
+    hostile peer's δ is in no average. nan and signflip are banned (each honest reducer saw the
+    bad part on the hostile peer's own stream) and `status` shows it while the run is live; a
+    forged header is nothing the hostile key signed (the leader could have made it up), so it
+    is excluded in every round but banned by nobody (issue 16, item 3)."""
     founder, flog = swarm.start("h0", *NANO, "--expected-peers", "4", "--until-version", "4")
     addr = ["--swarm", _maddr(swarm, flog)]
     honest = [(founder, flog)] + [
@@ -58,8 +61,9 @@ def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: LocalSwarm, mode: st
     )
     assert out.returncode == 0, out.stderr[-2000:]
     status = json.loads(out.stdout)
-    assert hostile in status["banned"], status
-    assert status["banned"][hostile]["by"], status
+    banned = mode != "forge"
+    assert (hostile in status["banned"]) is banned, status
+    assert excluded["banned"] is banned, excluded
     _wait_all([p for p, _ in honest], 200)
     logs = [log for _, log in honest]
     branch = branches(*logs)
@@ -69,7 +73,7 @@ def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: LocalSwarm, mode: st
     assert not any(hostile in e["members"] for e in rounds)
     stops = [next(e for e in read_log(log) if e["event"] == "stop") for log in logs]
     assert all(s["finite"] and s["version"] >= 4 for s in stops), stops
-    assert all(hostile in s["bans"] for s in stops), stops
+    assert all((hostile in s["bans"]) is banned for s in stops), stops
     expected = {"nan": "non-finite", "signflip": "cosine", "forge": "signature"}[mode]
     assert expected in excluded["reason"], excluded
 

@@ -118,6 +118,10 @@ class Guard:
         """GroupAverager's hook: what a hostile peer does to the vector after every check."""
         return self.behaviour.tamper(flat)
 
+    def withholds(self, key: str) -> bool:
+        """GroupAverager's `withhold_parts` fault: a hostile peer that never sends its parts."""
+        return self.behaviour.withholds()
+
     # ----- the others' contributions
 
     def admit(self, rnd: Round) -> Callable[[Group], Admission]:
