@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 
 
@@ -45,7 +46,13 @@ class AllReduceFailed(DilocoError):
     """A group was formed but its exchange did not complete; nothing of it may be applied.
 
     The caller keeps its δ and re-contributes it in a later group (DESIGN.md §3, step 5).
+    `silent` names the members this peer waited for in vain: its reducer never got their part
+    (averaging/reducer.py `silent_members`); the caller leaves them out of the next round.
     """
+
+    def __init__(self, *args: object, silent: Sequence[str] = ()) -> None:
+        super().__init__(*args)
+        self.silent: tuple[str, ...] = tuple(silent)
 
 
 class NoGroup(DilocoError):

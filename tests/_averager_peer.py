@@ -23,7 +23,9 @@ The contribution is `scale * randn(shape)` from a generator seeded with `seed`, 
 recompute every member's input. `die_after_group` SIGKILLs this peer's whole process group
 (itself, its DHT process, its p2p daemon) right after it has joined a group. `ack_delay_s`
 (fp32 averager only) stalls this peer that long between the group's assembly and its
-acknowledgement, when it is a follower (GroupAverager's `delay_ack` fault).
+acknowledgement, when it is a follower (GroupAverager's `delay_ack` fault). `withhold_parts`
+(fp32 averager only) makes this peer a member that never sends its parts (`withhold_parts`
+fault); a failed round's answer lists the members this peer waited for in vain ("silent").
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def run_average(averagers: dict[str, GroupAverager], cmd: dict[str, Any], out: P
                 "ok": False,
                 "error": type(e).__name__,
                 "refusal": e.refusal.name if isinstance(e, LeftOut) else None,
+                "silent": list(e.silent) if isinstance(e, AllReduceFailed) else [],
                 "message": str(e),
                 "elapsed_s": time.perf_counter() - started,
             }
@@ -133,13 +136,18 @@ def main() -> None:
         service.start()
         die = {"armed": False}
         stall = {"ack_delay_s": 0.0}
+        mute = {"withhold_parts": False}
 
         def on_group(key: str, members: list[str]) -> None:
             if die["armed"]:
                 kill_myself(key, members)
 
         averagers["fp32"] = GroupAverager(
-            service, "t32", on_group=on_group, delay_ack=lambda key: stall["ack_delay_s"]
+            service,
+            "t32",
+            on_group=on_group,
+            delay_ack=lambda key: stall["ack_delay_s"],
+            withhold_parts=lambda key: mute["withhold_parts"],
         )
         averagers["fp16"] = GroupAverager(service, "t16", compression="fp16")
         averagers["int8"] = GroupAverager(service, "t8", compression="int8")
@@ -165,6 +173,7 @@ def main() -> None:
                 break
             die["armed"] = bool(cmd.get("die_after_group", False))
             stall["ack_delay_s"] = float(cmd.get("ack_delay_s", 0.0))
+            mute["withhold_parts"] = bool(cmd.get("withhold_parts", False))
             run_average(averagers, cmd, out)
     finally:
         for averager in averagers.values():

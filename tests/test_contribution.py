@@ -1,4 +1,5 @@
-"""Signed contribution headers and the group screening built on them (averaging/contribution.py)."""
+"""Signed contribution headers and the group screening built on them (averaging/contribution.py),
+and the marks they carry (averaging/marks.py)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco_peer.averaging.contribution import (
-    BanList,
+    SAMPLES_WEIGHT_CAP,
     ContributionHeader,
     ContributionRejected,
     NonceMemory,
     Round,
     delta_digest,
+    group_weights,
     new_nonce,
     screen_group,
     shapes_digest,
 )
+from diloco_peer.averaging.marks import BanList, Silence
 from diloco_peer.identity import Identity
 
 KEYS = [Identity.generate() for _ in range(5)]
@@ -78,29 +81,37 @@ def test_honest_members_are_all_admitted() -> None:
 
 
 @pytest.mark.parametrize(
-    ("changes", "reason"),
+    ("changes", "reason", "banned"),
     [
-        ({"version": 4}, "another round"),
-        ({"key": "v4_" + HASH[:16]}, "another round"),
-        ({"state_hash": "cd" * 32}, "another state"),
-        ({"base_version": 2}, "stale"),
-        ({"base_version": 6}, "ahead"),
-        ({"numel": 15}, "wrong shape"),
-        ({"shapes": "00" * 32}, "wrong shape"),
-        ({"run": "run2"}, "another round"),
-        ({"norm": 100.0}, "above 4 x median"),
+        # signed for another round: possibly a replay by the leader, so no ban
+        ({"version": 4}, "another round", False),
+        ({"key": "v4_" + HASH[:16]}, "another round", False),
+        ({"state_hash": "cd" * 32}, "another state", False),
+        ({"run": "run2"}, "another round", False),
+        # signed for this very round and breaking a rule: evidence the member signed
+        ({"base_version": 2}, "stale", True),
+        ({"base_version": 6}, "ahead", True),
+        ({"numel": 15}, "wrong shape", True),
+        ({"shapes": "00" * 32}, "wrong shape", True),
+        ({"norm": 100.0}, "above 4 x median", True),
     ],
 )
-def test_a_contribution_outside_the_round_is_excluded(changes: dict, reason: str) -> None:
+def test_a_contribution_outside_the_round_is_excluded(
+    changes: dict, reason: str, banned: bool
+) -> None:
     honest = [header(k) for k in KEYS[:3]]
     bad = header(KEYS[3], **changes)
     screening = screen_group(gathered(*honest, bad), ROUND)
     assert list(screening.excluded) == [bad.peer]
     assert reason in screening.excluded[bad.peer]
     assert sorted(screening.accepted) == sorted(h.peer for h in honest)
+    assert screening.banned == ({bad.peer} if banned else set())
 
 
-def test_forged_and_garbage_headers_are_excluded() -> None:
+def test_forged_and_garbage_headers_are_excluded_and_never_banned() -> None:
+    """Issue 16, item 3: the leader alone says what each member sent. A victim listed with
+    garbage, or with a header it did not sign, is kept out of the round but not banned: the
+    leader could have made those bytes up."""
     honest = [header(k) for k in KEYS[:3]]
     data = gathered(*honest)
     data[KEYS[3].peer_id_str] = header(KEYS[3]).sign(KEYS[4])  # signed with someone else's key
@@ -108,6 +119,7 @@ def test_forged_and_garbage_headers_are_excluded() -> None:
     screening = screen_group(data, ROUND)
     assert set(screening.excluded) == {KEYS[3].peer_id_str, KEYS[4].peer_id_str}
     assert "signature" in screening.excluded[KEYS[3].peer_id_str]
+    assert screening.banned == frozenset()
 
 
 def test_allowlist_and_replay_memory_exclude() -> None:
@@ -128,9 +140,50 @@ def test_a_peer_banned_by_most_others_is_excluded_by_everyone() -> None:
     headers = [header(k, bans=(target,)) for k in KEYS[:3]] + [header(KEYS[3]), header(KEYS[4])]
     screening = screen_group(gathered(*headers), ROUND)
     assert list(screening.excluded) == [target]  # 3 of 4 others ban it
+    assert screening.banned == frozenset()  # their word: it excludes, never renews a ban
     # one hostile voter cannot ban an honest peer
     headers = [header(k) for k in KEYS[:4]] + [header(KEYS[4], bans=(KEYS[0].peer_id_str,))]
     assert screen_group(gathered(*headers), ROUND).excluded == {}
+
+
+def test_a_peer_named_silent_by_most_others_is_left_out_of_the_retry() -> None:
+    """Issue 16, item 4: the members that waited in vain for a member's parts name it in their
+    next headers; named by more than half of the others, it is excluded (not banned)."""
+    target = KEYS[4].peer_id_str
+    headers = [header(k, silent=(target,)) for k in KEYS[:3]] + [header(KEYS[3]), header(KEYS[4])]
+    screening = screen_group(gathered(*headers), ROUND)
+    assert list(screening.excluded) == [target]
+    assert "named silent by 3 of 4" in screening.excluded[target]
+    assert screening.banned == frozenset()
+    headers = [header(k) for k in KEYS[:3]] + [header(KEYS[3], silent=(target,)), header(KEYS[4])]
+    assert screen_group(gathered(*headers), ROUND).excluded == {}  # one voice is not enough
+
+
+def test_weights_come_from_the_signed_headers_and_samples_are_capped() -> None:
+    """Issue 16, item 2: a weight is no free number. uniform: 1 each; samples: the declared
+    samples, at most SAMPLES_WEIGHT_CAP x the group's median."""
+    honest = [header(k, samples=400) for k in KEYS[:3]]
+    greedy = header(KEYS[3], samples=10**12)
+    data = gathered(*honest, greedy)
+    uniform = screen_group(data, ROUND)
+    assert uniform.weights == {h.peer: 1.0 for h in [*honest, greedy]}
+    by_samples = screen_group(data, dataclasses.replace(ROUND, weighting="samples"))
+    assert by_samples.weights[greedy.peer] == SAMPLES_WEIGHT_CAP * 400
+    assert all(by_samples.weights[h.peer] == 400.0 for h in honest)
+    weights = group_weights({"a": header(KEYS[0], samples=0)}, "samples")
+    assert weights == {"a": 1.0}  # positive, always
+    mixed = {f"p{i}": header(KEYS[0], samples=n) for i, n in enumerate([100, 300, 500])}
+    assert group_weights(mixed, "samples") == {"p0": 100.0, "p1": 300.0, "p2": 500.0}
+
+
+def test_silence_marks_hold_then_expire_and_repeats_hold_longer() -> None:
+    silence = Silence(hold_s=10.0, max_hold_s=40.0)
+    assert silence.name(["QmA"], now=100.0) == {"QmA": 110.0}
+    assert silence.for_header(105.0) == ("QmA",) and silence.for_header(110.0) == ()
+    assert silence.name(["QmA"], now=115.0) == {"QmA": 135.0}  # again soon after: twice
+    assert silence.name(["QmA"], now=140.0) == {"QmA": 180.0}
+    assert silence.name(["QmA"], now=190.0) == {"QmA": 230.0}  # capped at max_hold_s
+    assert silence.name(["QmA"], now=1000.0) == {"QmA": 1010.0}  # long forgiven: one hold
 
 
 def test_bans_expire_and_headers_carry_the_most_recent() -> None:

@@ -43,7 +43,7 @@ from diloco_peer.averaging.compression import (
 from diloco_peer.averaging.group_averager import GroupAverager, flatten
 from diloco_peer.averaging.matchmaking import group_digest, pack_gather, validate_group
 from diloco_peer.averaging.partition import chunk_count, key_tag, part_sizes
-from diloco_peer.averaging.reducer import PartReducer, Round
+from diloco_peer.averaging.reducer import SILENCE_SHARE, PartReducer, Round, silent_members
 from diloco_peer.averaging.reference import all_reduce_in_memory
 from diloco_peer.averaging.robust import reduce_part
 from diloco_peer.averaging.wire import PART_HEADER, PROTOCOL_VERSION, pack_answer
@@ -551,6 +551,23 @@ def test_peer_killed_after_joining_fails_round_for_survivors(tmp_path: Path) -> 
             check_round(peers[:2], survivors, seeds[:2], weights[:2], tolerance=1e-6)
 
 
+@pytest.mark.multipeer
+@pytest.mark.timeout(90)
+def test_a_member_that_never_sends_its_parts_is_named_by_the_others(trio: list[Peer]) -> None:
+    """Issue 16, item 4: peer 2 joins the group and commits, then sends none of its parts (the
+    `withhold_parts` fault). The others' rounds fail at their all-reduce timeout, as before,
+    and now each names peer 2, and only it: their reducers never got its part."""
+    seeds, allreduce_s = [81, 82, 83], 6.0
+    commands = [average_command("vmute", s, 1.0, allreduce_timeout_s=allreduce_s) for s in seeds]
+    commands[2]["withhold_parts"] = True
+    answers = run_round(trio, commands)
+    for answer in answers[:2]:
+        assert not answer["ok"] and answer["error"] == "AllReduceFailed", answer
+        assert answer["silent"] == [trio[2].peer_id], answer
+        assert answer["elapsed_s"] <= commands[0]["matchmaking_timeout_s"] + allreduce_s + SLACK_S
+    assert not answers[2]["ok"] and answers[2]["silent"] == [], answers[2]
+
+
 # --------------------------------------------------------------------------- unit tests
 
 
@@ -608,6 +625,33 @@ def test_parts_for_a_key_this_peer_left_are_refused_at_once() -> None:
         reducer.open_key("v0")  # a retry under the same key: parts wait again (bounded)
         with pytest.raises(AllReduceFailed, match="after 0.1 s"):
             await reducer.find_round(b"e" * 32, key_tag("v0"), 0.1)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(10)
+def test_a_failed_round_names_the_members_whose_part_never_reached_my_reducer() -> None:
+    """reducer.silent_members: only members whose part my reducer lacks, only once the round
+    failed late enough (SILENCE_SHARE of its time), never in client mode."""
+
+    async def scenario() -> None:
+        members = ["Qm1", "Qm2", "Qm3", "Qm4"]
+
+        def sub_round(me: str, reducers: list[str] | None = None) -> Round:
+            return Round(key="v0", digest=b"d" * 32, members=members, me=me,
+                         weights=[1.0] * 4, compression="none", numel=8, timeout_s=10.0,
+                         reducers=reducers)  # fmt: skip
+
+        rnd = sub_round("Qm1")
+        rnd.arrived |= {"Qm1", "Qm3"}
+        assert silent_members([rnd], rnd.started + 1.0) == ()  # early: parts may be on the way
+        late = rnd.started + SILENCE_SHARE * 10.0
+        assert silent_members([rnd], late) == ("Qm2", "Qm4")
+        other = sub_round("Qm1")
+        other.arrived |= {"Qm1", "Qm2", "Qm3"}  # another chunk: Qm2's part came there
+        assert silent_members([rnd, other], late) == ("Qm2", "Qm4")
+        client = sub_round("Qm1", reducers=["Qm2", "Qm3", "Qm4"])
+        assert silent_members([client], late) == ()  # I reduce nothing: I waited for nobody
 
     asyncio.run(scenario())
 

@@ -169,7 +169,7 @@ def test_the_ledger_merges_pending_and_recontributes_only_the_lost_version() -> 
 def test_the_ban_list_holds_under_four_threads() -> None:
     """The network loop and the round ban, the heartbeat, the metrics and the headers read: no
     read sees a half-changed list, no ban is lost."""
-    from diloco_peer.averaging.contribution import BanList
+    from diloco_peer.averaging.marks import BanList
 
     bans = BanList(ban_rounds=1_000_000)
     errors: list[BaseException] = []

@@ -180,7 +180,8 @@ def test_a_replica_behind_replays_another_replicas_updates_to_the_same_hash(
 def test_a_fork_at_our_version_heals_by_replay_from_our_parent_state(run: RunSpec) -> None:
     """Two replicas part at version 1 (each applies another lone update): the loser replays
     the winner's certified update from the state below its own, downloads no state, and knows
-    its branch lost; a forged update of the winner's is refused and nothing moves."""
+    its branch lost; a forged update of the winner's is refused and nothing moves. (That one
+    key's branch at our version is a candidate for this replay only: test_swarm_view.)"""
     signed = manifest(run)
     winner = Replica(phase_of(run, signed).t.state, UpdateLog(8))
     loser = Replica(phase_of(run, signed, peer="PeerB").t.state, UpdateLog(8))
@@ -199,21 +200,24 @@ def test_a_fork_at_our_version_heals_by_replay_from_our_parent_state(run: RunSpe
 
     class FromWinner:
         forged: bytes | None = None
+        states = 0
 
         def update(self, donor: str, base_version: int) -> bytes:
             return self.forged or winner.updates.get(base_version) or b""
 
-        def state(self, donor: str) -> StateBlob:
-            raise AssertionError("a fork at our version is healed by replay, not download")
+        def state(self, donor: str, *rest: object) -> StateBlob:
+            self.states += 1
+            raise StateTransferFailed("no state here", kind=TransferFailure.REFUSED)
 
         state_multi = state
 
     downloads = FromWinner()
+    won = winner.published_hash  # two peers hold it: it wins whatever the hashes' order
     view = SwarmView("PeerB", 2, loser.published_hash,
-                     {"PeerA": PeerHead(peer_id="PeerA", version=2, state_hash=winner.published_hash),
-                      "PeerC": PeerHead(peer_id="PeerC", version=1, state_hash=shared.result_hash)})  # fmt: skip
+                     {"PeerA": PeerHead(peer_id="PeerA", version=2, state_hash=won),
+                      "PeerC": PeerHead(peer_id="PeerC", version=2, state_hash=won)})  # fmt: skip
     choice = view.choose_head(replay_window=2)
-    assert choice is not None and choice.lost_fork and not choice.endorsed
+    assert choice is not None and choice.lost_fork and choice.state_hash == won
     check = certifier(loser)
     catch_up = CatchUp(loser, downloads, me="PeerB", keep_updates=8,  # type: ignore[arg-type]
                        verify=lambda r: check.check(r, seals.get(r.base_version, {})))  # fmt: skip
@@ -221,9 +225,11 @@ def test_a_fork_at_our_version_heals_by_replay_from_our_parent_state(run: RunSpe
     downloads.forged = dataclasses.replace(real, average=tuple(-a for a in real.average)).to_bytes()
     mine = loser.published_hash
     assert catch_up.run(choice) is None and loser.state.hash() == mine
-    downloads.forged = None
+    assert downloads.states > 0  # the forged replay failed; a quorum's state may be downloaded
+    downloads.forged, downloads.states = None, 0
     moved = catch_up.run(choice)
     assert moved is not None and moved.method == "replay" and moved.lost_fork
+    assert downloads.states == 0
     assert loser.published_hash == winner.published_hash and loser.version == 2
 
 

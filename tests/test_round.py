@@ -5,13 +5,16 @@ absent, and the bounded retry loop. End to end, tests/test_swarm.py runs these w
 from __future__ import annotations
 
 import dataclasses
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from diloco_peer.averaging.contribution import ContributionHeader
 from diloco_peer.averaging.group_averager import GroupResult
+from diloco_peer.averaging.marks import SILENT_HOLD_S
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import SwarmSettings
@@ -176,6 +179,31 @@ def test_a_failed_all_reduce_keeps_the_delta() -> None:
     outcome = part.run(delta(), loss=2.0, t0=0.0)
     assert outcome.status is RoundStatus.KEPT and outcome.reason.startswith("all-reduce failed")
     assert replica.version == 0 and events.names() == ["round_failed"]
+
+
+def test_members_a_failed_all_reduce_waited_for_are_absent_and_named_in_the_retry() -> None:
+    """Issue 16, item 4: the all-reduce failed because OTHER never sent its parts (our reducer
+    names it). The round keeps δ, holds OTHER absent although it keeps heartbeating (the next
+    group does not wait for it), and names it in the retry's header, whose admission then
+    leaves it out when most members name it."""
+    failed = AllReduceFailed("timed out", silent=(OTHER,))
+    part, _, heads, events = make_round(FakeAverager(failed), {OTHER: {}, "Thirdpeer": {}})
+    before = time.time()
+    outcome = part.run(delta(), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.KEPT and part.ledger.pending is not None
+    assert events.names() == ["silent", "round_failed"]
+    assert events.emitted[0][1]["silent_peers"] == [OTHER]
+    book = heads.book
+    assert set(book.absent) == {OTHER} and book.held[OTHER] >= before + SILENT_HOLD_S
+    fresh = time.time() + 1.0  # a heartbeat after the failure: still absent until the hold ends
+    book.merge({OTHER: PeerHead(peer_id=OTHER, version=0, state_hash="ab" * 32, updated=fresh)},
+               fresh)  # fmt: skip
+    assert OTHER not in book.live(fresh)
+    assert OTHER in book.live(book.held[OTHER] + 0.1)
+    offer = part.guard.offer([torch.zeros(4)], key="v0_" + "0" * 16, version=0,
+                             state_hash="0" * 64, base_version=0, steps=1, shard_samples={1: 4})  # fmt: skip
+    header = ContributionHeader.verify_bytes(offer.gather, ME.peer_id_str)
+    assert header.silent == (OTHER,)
 
 
 def test_a_sync_group_commits_the_average_and_marks_who_it_formed_without() -> None:

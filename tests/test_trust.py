@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from diloco_peer.identity import Identity
 from diloco_peer.peer.chaos import CHAOS_MODES, Chaos
 from diloco_peer.peer.trust import Guard
 
-ME, OTHER, THIRD = (Identity.generate() for _ in range(3))
+ME, OTHER, THIRD, FOURTH = (Identity.generate() for _ in range(4))
 HASH = "ab" * 32
 KEY = "v3_" + HASH[:16]
 
@@ -50,11 +51,24 @@ def test_an_honest_offer_is_admitted_by_another_member() -> None:
     assert torch.equal(mine.delta[0], delta()[0])
 
 
+def _group(gathered: dict[str, bytes]) -> Group:
+    members = tuple(sorted(gathered))
+    return Group(
+        key=KEY, group_id=b"g", members=members, weights=(1.0,) * len(members),
+        gathered=tuple(gathered[m] for m in members), clients=(False,) * len(members),
+        digest=b"d", leader=members[0],
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("mode", "reason"),
-    [("stale", "another round"), ("forge", "signature"), ("wrong-shape", "wrong shape")],
+    ("mode", "reason", "banned"),
+    [
+        ("stale", "another round", False),  # signed for another round: a leader may replay it
+        ("forge", "signature", False),  # not signed by the accused
+        ("wrong-shape", "wrong shape", True),  # signed by it, for this round
+    ],
 )
-def test_hostile_headers_are_refused_at_admission(mode: str, reason: str) -> None:
+def test_hostile_headers_are_refused_at_admission(mode: str, reason: str, banned: bool) -> None:
     hostile = offer(Guard(OTHER, "run1", SwarmSettings(), chaos=Chaos.parse(mode)))
     honest = Guard(ME, "run1", SwarmSettings())
     mine = offer(honest)
@@ -68,9 +82,76 @@ def test_hostile_headers_are_refused_at_admission(mode: str, reason: str) -> Non
     admission = honest.admit(mine.round)(group)
     assert list(admission.bounds) == [ME.peer_id_str]
     assert reason in admission.excluded[OTHER.peer_id_str]
-    assert OTHER.peer_id_str in honest.bans.active(3)
-    assert honest.drain_exclusions() == [(OTHER.peer_id_str, admission.excluded[OTHER.peer_id_str])]
+    assert (OTHER.peer_id_str in honest.bans.active(3)) is banned
+    why = admission.excluded[OTHER.peer_id_str]
+    assert honest.drain_exclusions() == [(OTHER.peer_id_str, why, banned)]
     assert honest.drain_exclusions() == []
+
+
+def test_a_leader_listing_a_victim_with_garbage_gets_it_excluded_not_banned() -> None:
+    """Issue 16, item 3: a hostile leader lists a peer that never joined, with garbage as its
+    header. Every follower keeps it out of the round, and none bans it."""
+    honest = Guard(ME, "run1", SwarmSettings())
+    mine = offer(honest)
+    third = offer(Guard(THIRD, "run1", SwarmSettings()))
+    gathered = {ME.peer_id_str: mine.gather, THIRD.peer_id_str: third.gather,
+                OTHER.peer_id_str: b"garbage the leader made up"}  # fmt: skip
+    admission = honest.admit(mine.round)(_group(gathered))
+    assert set(admission.bounds) == {ME.peer_id_str, THIRD.peer_id_str}
+    assert OTHER.peer_id_str in admission.excluded
+    assert honest.bans.active(3) == {}
+    assert admission.weights == {ME.peer_id_str: 1.0, THIRD.peer_id_str: 1.0}
+
+
+def test_a_signed_huge_norm_bans_and_an_exclusion_by_others_bans_never_renews() -> None:
+    """A member whose own signed header declares 100x the others' norm is banned. Later, the
+    others' bans in their headers keep it out (excluded by all), but that exclusion does not
+    renew this peer's ban: it ends after ban_rounds versions."""
+    settings = SwarmSettings()
+    honest = Guard(ME, "run1", settings)
+    mine = offer(honest)
+    others = [offer(Guard(k, "run1", settings)) for k in (THIRD, FOURTH)]
+    huge = offer(Guard(OTHER, "run1", settings), d=[t * 100 for t in delta()])
+    peers = [ME, THIRD, FOURTH, OTHER]
+    gathered = dict(zip((k.peer_id_str for k in peers), [mine.gather, *(o.gather for o in others),
+                                                         huge.gather], strict=True))  # fmt: skip
+    admission = honest.admit(mine.round)(_group(gathered))
+    assert "above 4 x median" in admission.excluded[OTHER.peer_id_str]
+    assert honest.bans.active(3)[OTHER.peer_id_str].until_version == 3 + settings.ban_rounds
+    # versions later, the others still ban it: their headers say so
+    later = 3 + settings.ban_rounds - 1
+    voters = [Guard(k, "run1", settings) for k in (THIRD, FOURTH)]
+    for voter in voters:
+        voter.bans.ban(OTHER.peer_id_str, "norm", version=later)
+    mine = offer(honest, version=later)
+    votes = [offer(v, version=later) for v in voters]
+    sneaky = offer(Guard(OTHER, "run1", settings), version=later)
+    gathered = dict(zip((k.peer_id_str for k in peers), [mine.gather, *(v.gather for v in votes),
+                                                         sneaky.gather], strict=True))  # fmt: skip
+    admission = honest.admit(mine.round)(_group(gathered))
+    assert "banned by" in admission.excluded[OTHER.peer_id_str]
+    assert honest.bans.active(later)[OTHER.peer_id_str].until_version == 3 + settings.ban_rounds
+    assert OTHER.peer_id_str not in honest.bans.active(3 + settings.ban_rounds)
+
+
+def test_a_weight_in_the_envelope_is_ignored() -> None:
+    """Issue 16, item 2: a member that puts 1e6 in its envelope's weight gets the weight its
+    signed header gives, like everyone (the admission's weights replace the envelope's)."""
+    settings = SwarmSettings(weighting="samples")
+    honest = Guard(ME, "run1", settings)
+    mine = offer(honest)
+    greedy = Guard(OTHER, "run1", settings).offer(
+        delta(), key=KEY, version=3, state_hash=HASH, base_version=3, steps=10,
+        shard_samples={1: 10**9},
+    )  # fmt: skip
+    gathered = {ME.peer_id_str: mine.gather, OTHER.peer_id_str: greedy.gather}
+    group = _group(gathered)
+    group = Group(**{**group.__dict__, "weights": tuple(1e6 if m == OTHER.peer_id_str else 1.0
+                                                        for m in group.members)})  # fmt: skip
+    admission = honest.admit(mine.round)(group)
+    assert admission.weights is not None
+    # the low median of (160, 1e9) is 160: capped at SAMPLES_WEIGHT_CAP x 160
+    assert admission.weights == {ME.peer_id_str: 160.0, OTHER.peer_id_str: 2 * 160.0}
 
 
 def test_value_attacks_change_what_is_sent() -> None:
@@ -97,21 +178,35 @@ def test_replay_resends_the_previous_header_and_delta() -> None:
 
 
 def _result(
-    members: list[str], excluded: dict[str, str], accusations: dict[str, int]
+    members: list[str],
+    excluded: dict[str, str],
+    accusations: dict[str, int],
+    witnessed: dict[str, str] | None = None,
 ) -> GroupResult:
     return GroupResult(
         average=[], members=members, weights={}, gathered={}, group_id=b"g", bytes_sent=0,
         bytes_received=0, matchmaking_s=0.0, allreduce_s=0.0, excluded=excluded,
-        accusations=accusations,
+        accusations=accusations, witnessed=witnessed or {},
     )  # fmt: skip
 
 
-def test_a_reducer_exclusion_bans_only_with_a_majority_of_reducers() -> None:
+def test_silent_members_are_named_in_the_next_header() -> None:
+    guard = Guard(ME, "run1", SwarmSettings())
+    held = guard.name_silent((OTHER.peer_id_str, ME.peer_id_str), now=time.time())
+    assert list(held) == [OTHER.peer_id_str]  # never oneself
+    header = ContributionHeader.verify_bytes(offer(guard).gather, ME.peer_id_str)
+    assert header.silent == (OTHER.peer_id_str,) and header.bans == ()
+
+
+def test_a_reducer_exclusion_bans_only_what_my_own_reducer_saw() -> None:
+    """Another reducer's exclusion is its word (it may be hostile): however many reducers
+    claim it, only a part this peer's own reducer excluded bans its sender."""
     guard = Guard(ME, "run1", SwarmSettings())
     members = sorted([ME.peer_id_str, OTHER.peer_id_str, THIRD.peer_id_str, "QmX"])
     guard.settle(_result(members, {OTHER.peer_id_str: "non-finite (parts 0, 1, 2)"},
-                         {OTHER.peer_id_str: 3}), version=5)  # fmt: skip
-    guard.settle(_result(members, {THIRD.peer_id_str: "non-finite (parts 1, 2)"},
-                         {THIRD.peer_id_str: 2}), version=5)  # fmt: skip
+                         {OTHER.peer_id_str: 3}, witnessed={OTHER.peer_id_str: "non-finite"}),
+                 version=5)  # fmt: skip
+    guard.settle(_result(members, {THIRD.peer_id_str: "non-finite (parts 0, 1, 2)"},
+                         {THIRD.peer_id_str: 3}), version=5)  # fmt: skip
     assert set(guard.bans.active(5)) == {OTHER.peer_id_str}
     assert set(guard.bans.active(5 + SwarmSettings().ban_rounds)) == set()

@@ -44,7 +44,10 @@ def _wait_all(procs: list, timeout_s: float) -> None:
 def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: LocalSwarm, mode: str) -> None:
     """3 honest peers + 1 hostile: nan is caught by the part reducers, signflip by their
     direction check, forge at admission. Honest states stay finite and on one branch, the
-    hostile peer's δ is in no average, and `status` shows it banned while the run is live."""
+    hostile peer's δ is in no average. nan and signflip are banned (each honest reducer saw the
+    bad part on the hostile peer's own stream) and `status` shows it while the run is live; a
+    forged header is nothing the hostile key signed (the leader could have made it up), so it
+    is excluded in every round but banned by nobody (issue 16, item 3)."""
     founder, flog = swarm.start("h0", *NANO, "--expected-peers", "4", "--until-version", "4")
     addr = ["--swarm", _maddr(swarm, flog)]
     honest = [(founder, flog)] + [
@@ -58,8 +61,9 @@ def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: LocalSwarm, mode: st
     )
     assert out.returncode == 0, out.stderr[-2000:]
     status = json.loads(out.stdout)
-    assert hostile in status["banned"], status
-    assert status["banned"][hostile]["by"], status
+    banned = mode != "forge"
+    assert (hostile in status["banned"]) is banned, status
+    assert excluded["banned"] is banned, excluded
     _wait_all([p for p, _ in honest], 200)
     logs = [log for _, log in honest]
     branch = branches(*logs)
@@ -69,9 +73,58 @@ def test_a_hostile_peer_is_excluded_banned_and_shown(swarm: LocalSwarm, mode: st
     assert not any(hostile in e["members"] for e in rounds)
     stops = [next(e for e in read_log(log) if e["event"] == "stop") for log in logs]
     assert all(s["finite"] and s["version"] >= 4 for s in stops), stops
-    assert all(hostile in s["bans"] for s in stops), stops
+    assert all((hostile in s["bans"]) is banned for s in stops), stops
     expected = {"nan": "non-finite", "signflip": "cosine", "forge": "signature"}[mode]
     assert expected in excluded["reason"], excluded
+
+
+_QUICK_TIMEOUTS = """
+[run]
+model = "nano"
+inner_steps = 10
+warmup_steps = 5
+num_shards = 8
+
+[swarm]
+sync_timeout_s = 10.0
+allreduce_timeout_s = 8.0
+expected_peers = 4
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multipeer
+@pytest.mark.timeout(300)
+def test_a_member_that_never_sends_its_parts_stalls_one_round_not_the_swarm(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
+    """Issue 16, item 4 (the real run: four honest peers and one patched never to send its
+    parts stayed at one version for 12 minutes). 3 honest peers + 1 `--chaos silent`: the
+    honest peers name it after the round it stalls, hold it absent and leave it out of the
+    retry, so they reach version 4 on one branch without it, banning nobody."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(_QUICK_TIMEOUTS)
+    founder, flog = swarm.start("h0", "--config", str(cfg), "--until-version", "4")
+    addr = ["--swarm", _maddr(swarm, flog)]
+    honest = [(founder, flog)] + [
+        swarm.start(f"h{i}", *addr, "--until-version", "4") for i in (1, 2)
+    ]
+    _, hlog = swarm.start("hostile", *addr, "--chaos", "silent")
+    hostile = swarm.wait_event(hlog, "start", 90)["peer"]
+    _wait_all([p for p, _ in honest], 240)
+    logs = [log for _, log in honest]
+    branch = branches(*logs)
+    assert branch.one_branch, branch.conflicts
+    events = [e for log in logs for e in read_log(log)]
+    named = [e for e in events if e["event"] == "silent"]
+    assert named and all(e["silent_peers"] == [hostile] for e in named), named
+    rounds = [e for e in events if e["event"] == "round"]
+    assert max(e["version"] for e in rounds) >= 4
+    assert not any(hostile in e["members"] for e in rounds)
+    stops = [e for e in events if e["event"] == "stop"]
+    assert all(s["finite"] and s["version"] >= 4 and not s["bans"] for s in stops), stops
+    failed = [e for e in events if e["event"] == "round_failed"]
+    assert len(failed) <= 3 * len(logs), failed  # not a failed round per try, as before
 
 
 @pytest.mark.multipeer

@@ -158,6 +158,7 @@ class PartExchange(HandlerServer):
         allreduce_timeout_s: float,
         bounds: Sequence[float | None] | None = None,
         reducers: Sequence[str] | None = None,
+        withhold: bool = False,
     ) -> AllReduceResult:
         """Average `flat` (1-D fp32) with the group; the same bits on every member, or raise.
 
@@ -173,7 +174,9 @@ class PartExchange(HandlerServer):
         A long vector goes as `chunk_count(numel)` chunks, each a sub-round of its own (digest
         `partition.chunk_digest`), all at once: a reducer answers a chunk's part as soon as
         that chunk is in, while the members still send the next chunks (see chunk_count).
-        Runs in the service's loop, once the exchange is ready.
+        Runs in the service's loop, once the exchange is ready. `withhold` is a test-only
+        fault: this peer is in the round (its reducer takes the others' parts) but sends none
+        of its own, as a member patched never to send its parts; AllReduceFailed at the timeout.
         """
         check_bounds(bounds, len(members))
         chunks = torch.tensor_split(flat, chunk_count(flat.numel()))
@@ -195,6 +198,14 @@ class PartExchange(HandlerServer):
         ]
         self._reducer.add(rounds)  # every sub-round is known before the key closes
         self._reducer.close_key(key)
+        if withhold:
+            try:
+                await asyncio.sleep(allreduce_timeout_s)
+                raise AllReduceFailed(f"{rounds[0].tag} withheld my parts (a test fault)")
+            finally:
+                for rnd in rounds:
+                    rnd.fail("withheld")
+                self._reducer.retire(rounds)
         sender = PartSender(
             self._service.p2p, self.handler_name, self._compression, self._aggregation
         )

@@ -1,26 +1,33 @@
-"""Signed contribution headers, the group screening they allow, and bans (DESIGN.md §4).
+"""Signed contribution headers, the group screening they allow, and the weights they fix
+(DESIGN.md §4).
 
 Every member of a group gathers one `ContributionHeader` at matchmaking: who it is (its public
 key, so anyone can check the signature and that the key hashes to the member's libp2p peer id),
 which round the δ is for (round key, version, state hash, base version), what it claims (steps,
-samples per shard, number of values, a digest of the tensor shapes, the δ's L2 norm and sha256)
-and the peers it currently bans. Hivemind's leader hands every member the same gathered bytes,
-so `screen_group` — a pure function of those bytes, the round and this build's settings — makes
-the same decision on every honest member, and they all-reduce over the same accepted members.
-The one input that is local is replay memory (`NonceMemory`): a member that has seen a header's
-nonce before refuses it even where the round fields alone would not (async staleness window).
-Members that disagree on it get different group digests, so that round fails rather than forks,
-and the replayer is banned by the members that saw it.
+samples per shard, number of values, a digest of the tensor shapes, the δ's L2 norm and sha256),
+the peers it currently bans and those it waited for in vain (marks.py). Hivemind's leader hands
+every member the same gathered bytes, so `screen_group` — a pure function of those bytes, the
+round and this build's settings — makes the same decision on every honest member, and they
+all-reduce over the same accepted members with the same weights (`group_weights`: from the
+signed headers, never from a number a member picks apart from them). The one input that is
+local is replay memory (`NonceMemory`): a member that has seen a header's nonce before refuses
+it even where the round fields alone would not (async staleness window). Members that disagree
+on it get different group digests, so that round fails rather than forks.
+
+Bans need evidence the accused signed (`Screening.banned`): its own header for this very round
+breaking a rule. The leader alone says who is in a group and what each member sent, so a header
+that does not verify, or one signed for another round, may be the leader's work: it excludes,
+and never bans. Bans and silence marks travel in headers; a member banned, or named silent, by
+more than half of the other valid members of a group is excluded by all of them, and such an
+exclusion never renews anyone's ban.
 
 What the header cannot prove is checked where the values are: each part reducer checks the
 member's part against the declared norm (a part cannot be longer than the whole δ), its
-finiteness and, in groups of three or more, its direction (averaging/robust.py). A peer excluded
-for any reason is banned for `ban_rounds` versions; bans travel in headers, and a member banned
-by more than half of the other valid members of a group is excluded by all of them.
+finiteness and, in groups of three or more, its direction (averaging/robust.py).
 
-Not defended (docs/security.md): lies about steps or samples within plausible bounds, a δ that is
-harmful yet within the norm and direction bounds, and a peer that joins groups and then stays
-silent (each such round fails after its timeout and the δs are re-contributed).
+Not defended (docs/security.md): lies about steps or samples within plausible bounds (a weight
+is at most SAMPLES_WEIGHT_CAP x the median), and a δ that is harmful yet within the norm and
+direction bounds.
 """
 
 from __future__ import annotations
@@ -33,23 +40,23 @@ import math
 import os
 import re
 import statistics
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from diloco_peer.averaging.marks import MAX_BANS_IN_HEADER
+from diloco_peer.config import Weighting
 from diloco_peer.errors import DilocoError, IdentityError
 from diloco_peer.identity import Identity, peer_id_from_public_key, verify
 
-FORMAT = "diloco-peer/contribution-v1"
+FORMAT = "diloco-peer/contribution-v2"  # v2: the `silent` list
 _SIGNING_CONTEXT = FORMAT.encode() + b"\n"
 MAX_HEADER_BYTES = 16 * 1024
-MAX_BANS_IN_HEADER = 64
 _MAX_SHARDS = 4096
 _MAX_INT = 2**63 - 1
 _PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{1,128}\Z")
@@ -58,7 +65,8 @@ _HEX32 = re.compile(r"^[0-9a-f]{32}\Z")
 _KEY = re.compile(r"^[A-Za-z0-9_]{1,64}\Z")
 _FIELDS = {
     "format", "run", "peer", "public_key", "key", "version", "state_hash", "base_version",
-    "steps", "samples", "shards", "numel", "shapes", "norm", "digest", "nonce", "bans", "time",
+    "steps", "samples", "shards", "numel", "shapes", "norm", "digest", "nonce", "bans", "silent",
+    "time",
 }  # fmt: skip
 
 
@@ -106,6 +114,8 @@ class ContributionHeader:
     digest: str
     nonce: str
     bans: tuple[str, ...] = ()
+    silent: tuple[str, ...] = ()
+    """Members this peer waited for in vain in a recent round (`Silence`): they sent no part."""
     time: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,7 +126,8 @@ class ContributionHeader:
             "base_version": self.base_version, "steps": self.steps, "samples": self.samples,
             "shards": {str(k): v for k, v in sorted(self.shards.items())}, "numel": self.numel,
             "shapes": self.shapes, "norm": self.norm, "digest": self.digest,
-            "nonce": self.nonce, "bans": list(self.bans), "time": self.time,
+            "nonce": self.nonce, "bans": list(self.bans), "silent": list(self.silent),
+            "time": self.time,
         }  # fmt: skip
 
     def canonical_bytes(self) -> bytes:
@@ -201,11 +212,12 @@ class ContributionHeader:
             if not k.isdigit() or len(k) > 9 or not _is_int(v) or not 0 <= v <= _MAX_INT:
                 raise ContributionRejected("header shards must map shard numbers to counts")
             parsed[int(k)] = v
-        bans = doc["bans"]
-        if not isinstance(bans, list) or len(bans) > MAX_BANS_IN_HEADER:
-            raise ContributionRejected("header bans must be a short list of peer ids")
-        if not all(isinstance(b, str) and _PEER_ID.fullmatch(b) for b in bans):
-            raise ContributionRejected("header bans must be peer ids")
+        for name in ("bans", "silent"):
+            ids = doc[name]
+            if not isinstance(ids, list) or len(ids) > MAX_BANS_IN_HEADER:
+                raise ContributionRejected(f"header {name} must be a short list of peer ids")
+            if not all(isinstance(b, str) and _PEER_ID.fullmatch(b) for b in ids):
+                raise ContributionRejected(f"header {name} must be peer ids")
         if not isinstance(doc["public_key"], str):
             raise ContributionRejected("header public_key must be base64")
         try:
@@ -217,7 +229,8 @@ class ContributionHeader:
             version=doc["version"], state_hash=doc["state_hash"],
             base_version=doc["base_version"], steps=doc["steps"], samples=doc["samples"],
             shards=parsed, numel=doc["numel"], shapes=doc["shapes"], norm=float(doc["norm"]),
-            digest=doc["digest"], nonce=doc["nonce"], bans=tuple(bans), time=float(doc["time"]),
+            digest=doc["digest"], nonce=doc["nonce"], bans=tuple(doc["bans"]),
+            silent=tuple(doc["silent"]), time=float(doc["time"]),
         )  # fmt: skip
 
 
@@ -233,6 +246,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+SAMPLES_WEIGHT_CAP = 2.0
+"""With `weighting = "samples"`, a member's averaging weight is the samples its signed header
+declares, at most this many times the low median of the admitted members' (and at least 1). A claim
+of 1e9 samples then counts as twice the median, not as the whole average: in a group of k it
+moves the average by at most 2/(k+1) of its δ. Twice, not more: DyLU gives honest peers phases
+that end together, so their samples differ by their speeds (SPEED_CAP reads those as at most 4x
+the median), and a peer twice as fast as the median losing some weight costs less than a liar
+gaining it."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Round:
     """What every member of a group knows about the round, independent of the gathered bytes."""
@@ -246,14 +269,44 @@ class Round:
     staleness_limit: int
     norm_factor: float
     """A declared norm above norm_factor x the group's median norm is excluded (3+ members)."""
+    weighting: Weighting = "uniform"
+    """How the admitted members' averaging weights follow from their headers (`group_weights`)."""
 
 
 @dataclass(frozen=True)
 class Screening:
-    """The outcome of `screen_group`: accepted headers and excluded members, by peer id."""
+    """The outcome of `screen_group`, by peer id: accepted headers, excluded members with the
+    reason, which of those exclusions rest on evidence the member signed (`banned`), and the
+    accepted members' averaging weights."""
 
     accepted: dict[str, ContributionHeader]
     excluded: dict[str, str]
+    banned: frozenset[str] = frozenset()
+    """Members of `excluded` whose own signed header for this very round breaks a rule (base
+    version, shape, norm bound): evidence the accused signed, so a reason to ban. Every other
+    exclusion only excludes: a header that does not verify, one for another round or seen
+    before (a leader can list a member that never joined with bytes it made up, or replay one
+    the member signed for another group), a key off the allowlist, or the others' word (their
+    bans, their silence marks)."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Each accepted member's averaging weight (`group_weights`)."""
+
+
+def group_weights(
+    headers: Mapping[str, ContributionHeader], weighting: Weighting
+) -> dict[str, float]:
+    """Each member's averaging weight, from the signed headers alone, the same on every member.
+
+    uniform: 1. samples: the declared samples, capped at SAMPLES_WEIGHT_CAP x the (low) median
+    of the group's declared samples, and at least 1 (a weight must be positive). Never a free number a
+    member chooses apart from what it signs (issue 16: an envelope weight of 1e6 steered the
+    average to the cosine 1.000 with one member's δ).
+    """
+    if weighting == "uniform" or not headers:
+        return {p: 1.0 for p in headers}
+    # the low median: in a group of two, the median of both would let a liar set its own cap
+    cap = SAMPLES_WEIGHT_CAP * statistics.median_low(h.samples for h in headers.values())
+    return {p: max(1.0, min(float(h.samples), float(cap))) for p, h in headers.items()}
 
 
 def screen_group(
@@ -268,34 +321,45 @@ def screen_group(
     `gathered` maps each member (authenticated peer id) to its gathered bytes; `allow` is the
     private swarm's allowlist; `seen(peer, nonce)` is this member's replay memory. The checks, in
     order: signed header of that member, for this run and round, with a plausible base version
-    and this δ layout; on the allowlist; nonce not replayed; not banned by more than half of the
-    other valid members; declared norm within norm_factor x the median of the group's.
+    and this δ layout; on the allowlist; nonce not replayed; not banned, nor named silent, by
+    more than half of the other valid members; declared norm within norm_factor x the median of
+    the group's. Only a rule broken by the member's own signed header for this round bans
+    (`Screening.banned`).
     """
     accepted: dict[str, ContributionHeader] = {}
     excluded: dict[str, str] = {}
+    banned: set[str] = set()
     nonces: set[str] = set()
     for member in sorted(gathered):
         try:
             header = ContributionHeader.verify_bytes(gathered[member], member)
-            reason = _round_mismatch(header, rnd)
         except ContributionRejected as e:
-            reason = str(e)
-        else:
-            if reason is None and not allow(member):
-                reason = "not on the swarm's allowlist"
-            elif reason is None and (header.nonce in nonces or seen(member, header.nonce)):
-                reason = "replayed header (nonce seen before)"
+            excluded[member] = str(e)  # the leader may have made these bytes up
+            continue
+        reason = _other_round(header, rnd)  # possibly a header it signed for another group
+        if reason is None and not allow(member):
+            reason = "not on the swarm's allowlist"
+        elif reason is None and (header.nonce in nonces or seen(member, header.nonce)):
+            reason = "replayed header (nonce seen before)"
+        elif reason is None:
+            reason = _broken_rule(header, rnd)
+            if reason is not None:
+                banned.add(member)  # it signed this for this very round
         if reason is None:
             accepted[member] = header
             nonces.add(header.nonce)
         else:
             excluded[member] = reason
-    # bans: votes only from members that passed the checks above, never from oneself
+    # the others' word: votes only from members that passed the checks above, never from
+    # oneself; it excludes, and never bans (so a ban is never renewed by its own echo)
     for member in list(accepted):
         voters = [h for p, h in accepted.items() if p != member]
-        votes = sum(member in h.bans for h in voters)
-        if voters and votes * 2 > len(voters):
-            excluded[member] = f"banned by {votes} of {len(voters)} members"
+        bans = sum(member in h.bans for h in voters)
+        silent = sum(member in h.silent for h in voters)
+        if voters and bans * 2 > len(voters):
+            excluded[member] = f"banned by {bans} of {len(voters)} members"
+        elif voters and silent * 2 > len(voters):
+            excluded[member] = f"named silent by {silent} of {len(voters)} members"
     for member in excluded:
         accepted.pop(member, None)
     if len(accepted) >= 3:
@@ -305,15 +369,22 @@ def screen_group(
                 excluded[member] = (
                     f"norm {header.norm:.4g} above {rnd.norm_factor:g} x median {median:.4g}"
                 )
+                banned.add(member)
                 del accepted[member]
-    return Screening(accepted, excluded)
+    weights = group_weights(accepted, rnd.weighting)
+    return Screening(accepted, excluded, frozenset(banned), weights)
 
 
-def _round_mismatch(header: ContributionHeader, rnd: Round) -> str | None:
+def _other_round(header: ContributionHeader, rnd: Round) -> str | None:
     if header.run != rnd.run or header.key != rnd.key or header.version != rnd.version:
         return f"header for another round ({header.key}, v{header.version})"
     if header.state_hash != rnd.state_hash:
         return "header for another state"
+    return None
+
+
+def _broken_rule(header: ContributionHeader, rnd: Round) -> str | None:
+    """What an honest peer never signs for this round (its round drops a stale δ first)."""
     if header.base_version > rnd.version:
         return f"base version {header.base_version} ahead of the round's {rnd.version}"
     if rnd.version - header.base_version > rnd.staleness_limit:
@@ -338,45 +409,3 @@ class NonceMemory:
             self._seen[(peer, header.nonce)] = None
         while len(self._seen) > self._capacity:
             self._seen.popitem(last=False)
-
-
-@dataclass(frozen=True)
-class Ban:
-    reason: str
-    since_version: int
-    until_version: int
-
-
-class BanList:
-    """Peers this peer excludes, each until a version; what its headers and `status` show.
-
-    Thread-safe: the network loop bans (admission), the training thread bans (reducers'
-    verdicts) and reads (headers), the heartbeat and the metrics endpoint read."""
-
-    def __init__(self, ban_rounds: int) -> None:
-        self.ban_rounds = ban_rounds
-        self._lock = threading.Lock()
-        self._bans: dict[str, Ban] = {}
-        self._total = 0
-
-    @property
-    def total(self) -> int:
-        """Bans issued since start (a re-ban of a banned peer counts again)."""
-        with self._lock:
-            return self._total
-
-    def ban(self, peer: str, reason: str, version: int) -> None:
-        with self._lock:
-            self._bans[peer] = Ban(reason, version, version + self.ban_rounds)
-            self._total += 1
-
-    def active(self, version: int) -> dict[str, Ban]:
-        """Bans still in force at `version`, newest last (expired ones are forgotten)."""
-        with self._lock:
-            self._bans = {p: b for p, b in self._bans.items() if b.until_version > version}
-            return dict(self._bans)
-
-    def for_header(self, version: int) -> tuple[str, ...]:
-        """The most recent bans, as many as a header carries, sorted."""
-        recent = sorted(self.active(version).items(), key=lambda kv: kv[1].since_version)
-        return tuple(sorted(p for p, _ in recent[-MAX_BANS_IN_HEADER:]))

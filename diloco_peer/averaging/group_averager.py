@@ -119,6 +119,9 @@ class GroupAverager(BackgroundPart):
     :param delay_ack: test-only fault: called in the loop thread with the round key when this
         peer, a follower, is about to acknowledge a group (commit.py); it waits the seconds
         returned first, as a peer that stalls between the group's assembly and its commit.
+    :param withhold_parts: test-only fault: called in the loop thread with the round key once
+        the round's plan is known; True makes this peer a member that never sends its parts
+        (its round fails at the all-reduce timeout, and so does everyone's: allreduce.py).
     :param tamper: test-only (`join --chaos`): applied to the flat vector after its checks, so
         a hostile peer can send what an honest one never would (NaN, a scaled or random δ).
     :param client_mode: this peer cannot be dialed (behind a NAT or a firewall; its DHT is in
@@ -139,6 +142,7 @@ class GroupAverager(BackgroundPart):
         tamper: Callable[[Tensor], Tensor] | None = None,
         client_mode: bool = False,
         delay_ack: Callable[[str], float] | None = None,
+        withhold_parts: Callable[[str], bool] | None = None,
     ) -> None:
         if not _NAME.fullmatch(prefix):
             raise ValueError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
@@ -158,6 +162,7 @@ class GroupAverager(BackgroundPart):
         self._tamper = tamper
         self._client_mode = bool(client_mode)
         self._delay_ack = delay_ack
+        self._withhold_parts = withhold_parts
         self._exchange = PartExchange(service, prefix, compression, self._aggregation)
         self._desk = CommitDesk(service, prefix)
         self._peer_id: str | None = None
@@ -223,8 +228,9 @@ class GroupAverager(BackgroundPart):
         """Form a group with the peers calling with the same `key`, then average with it.
 
         `admit`, called in the loop thread once the group is formed, decides which members take
-        part (their signed headers are in `Group.gathered`); without it, all of them do. If it
-        leaves this peer alone, that is NoGroup.
+        part (their signed headers are in `Group.gathered`) and with which weights; without it,
+        all of them do, each with the `weight` it sent in its envelope (which an admission that
+        sets weights ignores). If it leaves this peer alone, that is NoGroup.
 
         The group closes once `target_size` members are in, or with whoever came (at least two)
         when about `matchmaking_timeout_s` has passed; it counts the members that acknowledged
@@ -328,16 +334,16 @@ class GroupAverager(BackgroundPart):
         except (NoGroup, AllReduceFailed):
             self._exchange.close_key(key)
             raise
-        weights = dict(zip(group.members, group.weights, strict=True))
         reduced = await self._exchange.all_reduce(
             key=key,
             digest=plan.digest,
             members=plan.members,
-            weights=[weights[m] for m in plan.members],
+            weights=plan.weights,
             flat=flat,
             allreduce_timeout_s=allreduce_timeout_s - commit_s,
             bounds=plan.bounds,
             reducers=plan.reducers,
+            withhold=self._withhold_parts is not None and self._withhold_parts(key),
         )
         if reduced.excluded:
             logger.warning("%s parts refused: %s", tag, describe(reduced.excluded))

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from diloco_peer.averaging.compression import CODEC_ID, Compression, decode, encode
 from diloco_peer.averaging.partition import key_tag
-from diloco_peer.averaging.reducer import EXCHANGE_ERRORS, Round, short_id
+from diloco_peer.averaging.reducer import EXCHANGE_ERRORS, Round, short_id, silent_members
 from diloco_peer.averaging.robust import Aggregation, Reason, describe_exclusions
 from diloco_peer.averaging.wire import (
     ERROR,
@@ -50,8 +50,10 @@ class AllReduceResult:
     the same on every member. Each part's reducer claims its own exclusions: the part index
     names the accuser (members[j] reduces part j)."""
     accusations: dict[str, int] = field(default_factory=dict)
-    """Member peer id -> how many parts' reducers excluded it (a member banned on the word of
-    most reducers, not of one, which may be hostile)."""
+    """Member peer id -> how many parts' reducers excluded it."""
+    witnessed: dict[str, str] = field(default_factory=dict)
+    """Member peer id -> why MY reducer left its part out (`robust.Reason.label`): what this
+    peer saw itself on the member's authenticated stream, unlike the other reducers' word."""
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,16 @@ class PartSender:
         except BaseException as e:
             for rnd in rounds:
                 rnd.fail(f"round aborted on its reducer: {e}")
+            silent = silent_members(rounds, asyncio.get_running_loop().time())
+            if isinstance(e, AllReduceFailed) and silent:
+                names = ", ".join(short_id(m) for m in silent)
+                raise AllReduceFailed(f"{e}; my reducer never got the parts of {names}",
+                                      silent=silent) from None  # fmt: skip
             raise
         finally:
             for send in sends:
                 send.task.cancel()
-        return _result(sends, rounds[0].members, bytes_sent, bytes_received)
+        return _result(sends, rounds[0], bytes_sent, bytes_received)
 
     def _send_all(
         self, rounds: Sequence[Round], chunks: Sequence[Tensor], sends: list[_Send]
@@ -216,9 +223,10 @@ async def _wait_for_answers(sends: list[_Send], first: Round, allreduce_timeout_
 
 
 def _result(
-    sends: list[_Send], members: list[str], bytes_sent: int, bytes_received: int
+    sends: list[_Send], first: Round, bytes_sent: int, bytes_received: int
 ) -> AllReduceResult:
     """The round's result from every part's answer, in chunk then part order."""
+    members = first.members
     # part j of every chunk has the same reducer: its claims are merged, so that the
     # accusations count reducers (as without chunks), not chunks
     by_reducer: dict[int, dict[int, Reason]] = {}
@@ -234,4 +242,10 @@ def _result(
         accusations={
             members[i]: sum(i in claims for claims in by_reducer.values()) for i in described
         },
+        witnessed={
+            members[i]: reason.label
+            for i, reason in sorted(by_reducer.get(first.my_part, {}).items())
+        }
+        if first.my_part is not None
+        else {},
     )

@@ -55,6 +55,13 @@ _MAX_PENDING_ROUNDS = 64
 """Unknown round digests a reducer is willing to wait for at once (a bound on memory for parts
 that name rounds this peer never joins)."""
 _MAX_CLOSED_KEYS = 256
+SILENCE_SHARE = 0.5
+"""A member whose part my reducer lacks when the round fails is named silent only if the round
+failed at least this share of its time after it started here. Every honest member opens all its
+part streams as its round starts (member.py), and rounds start within the commit window of each
+other; half the all-reduce time leaves room for both and for a slow link, while a round that
+fails at its deadline (as every member's does when one stays silent) always names the silent
+one, even on members that hear of the failure from another member first."""
 
 
 def short_id(peer: str) -> str:
@@ -109,10 +116,13 @@ class Round:
         self.my_part = self.reducers.index(me) if me in self.reducers else None
         """The part I reduce; None in client mode."""
         self.sizes = part_sizes(numel, len(self.reducers))
-        self.deadline = loop.time() + timeout_s
+        self.started, self.timeout_s = loop.time(), timeout_s
+        self.deadline = self.started + timeout_s
         self.claimed: set[str] = set()
         """Senders whose part stream was accepted (duplicates refused)."""
         self.received: dict[str, Tensor | Exclusion] = {}
+        self.arrived: set[str] = set()
+        """Members whose whole part reached my reducer (decodable or not), mine included."""
         self._reduction: asyncio.Future[None] | None = None  # referenced while it runs
         self.result: asyncio.Future[bytes] = loop.create_future()
         self.result.add_done_callback(consume)
@@ -172,6 +182,7 @@ class Round:
         """Store a member's decoded part (or why it could not be decoded); the last one in
         starts the reduction (in sorted member order)."""
         self.received[sender] = part
+        self.arrived.add(sender)
         if len(self.received) < len(self.members) or self.result.done():
             return
         received = [self.received.pop(m) for m in self.members]
@@ -203,6 +214,20 @@ class Round:
             logger.warning("%s part %s excluded %s", self.tag, self.my_part, details)
         if not self.result.done():  # the round may have failed meanwhile
             self.result.set_result(answer)
+
+
+def silent_members(rounds: Sequence[Round], now: float) -> tuple[str, ...]:
+    """The members whose part never reached my reducer in a failed round's sub-rounds `rounds`
+    (loop time `now`), sorted: the ones this peer waited for in vain. Nobody when the round
+    failed before SILENCE_SHARE of its time (their parts may still have been on the way), or
+    when I reduce no part (client mode: I waited for nobody's part). Only what my own reducer
+    saw counts: a reducer that never answers me may itself be waiting for someone else."""
+    silent: set[str] = set()
+    for rnd in rounds:
+        if rnd.my_part is None or now - rnd.started < SILENCE_SHARE * rnd.timeout_s:
+            continue
+        silent.update(m for m in rnd.members if m not in rnd.arrived and m != rnd.me)
+    return tuple(sorted(silent))
 
 
 class PartReducer:

@@ -33,7 +33,8 @@ class GroupResult:
     members: list[str]
     """Sorted base58 peer ids."""
     weights: dict[str, float]
-    """Each member's self-reported weight."""
+    """Each member's weight in the average: the admission's (`Admission.weights`, derived from
+    the signed headers), or without an admission the one its envelope carried."""
     gathered: dict[str, bytes]
     """Each member's `gather` bytes (for signed contribution headers)."""
     group_id: bytes
@@ -61,6 +62,9 @@ class GroupResult:
     `members` but not in `contributors`). Identical on every member."""
     accusations: dict[str, int] = field(default_factory=dict)
     """For members a part reducer excluded: how many of the `len(members)` reducers did."""
+    witnessed: dict[str, str] = field(default_factory=dict)
+    """Members this peer's own reducer excluded, with the reason: what it saw itself on their
+    authenticated streams (this peer's own; the rest above is the same on every member)."""
 
     @property
     def contributors(self) -> list[str]:
@@ -77,17 +81,22 @@ class Admission:
     """Admitted members and each one's declared δ norm, which bounds the norm of its parts."""
     excluded: dict[str, str]
     """Members kept out, with the reason."""
+    weights: dict[str, float] | None = None
+    """Each admitted member's averaging weight (`contribution.group_weights`), the same on every
+    honest member; the weights in the members' matchmaking envelopes are then ignored (a free
+    number there steered the average: issue 16). None: the envelopes' (tests without headers)."""
 
 
 @dataclass(frozen=True)
 class RoundPlan:
     """Who of a formed group takes part in its all-reduce, the same on every admitted member:
     the admitted members (sorted), those of them that reduce a part (not in client mode), their
-    declared δ norms, who the admission kept out and why, and the round's digest."""
+    declared δ norms and weights, who the admission kept out and why, and the round's digest."""
 
     members: tuple[str, ...]
     reducers: tuple[str, ...]
     bounds: list[float | None]
+    weights: list[float]
     excluded: dict[str, str]
     digest: bytes
 
@@ -116,12 +125,20 @@ def plan_round(
     reducers = tuple(m for m in members if m not in clients)
     if not reducers:
         raise NoGroup(f"{tag} no admitted member accepts connections (all in client mode)")
+    if admission.weights is None:
+        envelope = dict(zip(group.members, group.weights, strict=True))
+        weights = [envelope[m] for m in members]
+    else:
+        weights = [float(admission.weights.get(m, math.nan)) for m in members]
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise AllReduceFailed(f"{tag} an admitted weight is not finite and positive: {weights}")
     # every admitted member derives the same digest from the same admission
-    plan = "|".join(members) + "#" + "|".join(reducers)
+    plan = "|".join(members) + "#" + "|".join(reducers) + "#" + "|".join(map(repr, weights))
     return RoundPlan(
         members=members,
         reducers=reducers,
         bounds=[admission.bounds[m] for m in members],
+        weights=weights,
         excluded=excluded,
         digest=hashlib.sha256(group.digest + plan.encode()).digest(),
     )
@@ -143,7 +160,7 @@ def group_result(
     return GroupResult(
         average=[part.view(shape) for part, shape in zip(parts, shapes, strict=True)],
         members=list(members),
-        weights={m: w for m, w in zip(group.members, group.weights, strict=True) if m in members},
+        weights=dict(zip(members, plan.weights, strict=True)),
         gathered={m: g for m, g in zip(group.members, group.gathered, strict=True) if m in members},
         group_id=group.group_id,
         bytes_sent=reduced.bytes_sent,
@@ -152,6 +169,7 @@ def group_result(
         allreduce_s=allreduce_s,
         excluded={**plan.excluded, **reduced.excluded},
         accusations=reduced.accusations,
+        witnessed=reduced.witnessed,
     )
 
 

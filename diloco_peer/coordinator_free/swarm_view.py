@@ -58,6 +58,9 @@ class HeadBook:
         self.received: dict[str, float] = {}
         """Our clock when we first read each peer's current head."""
         self.absent: dict[str, float] = {}
+        self.held: dict[str, float] = {}
+        """Peers absent until a time (our clock) whatever they publish: members that joined a
+        group and never sent their parts (peer/round.py) keep heartbeating."""
         self.departed_version = -1
         """The highest version a peer we saw live announced as it left (-1: none)."""
 
@@ -87,23 +90,35 @@ class HeadBook:
         }
         self.received = {p: t for p, t in self.received.items() if p in self.seen}
         self.absent = {p: t for p, t in self.absent.items() if p in self.seen or t > cutoff}
+        self.held = {p: t for p, t in self.held.items() if t > now}
 
     def live(self, now: float) -> dict[str, PeerHead]:
         """Heads published and read within the TTL, except absent peers that published nothing
-        since."""
+        since, and peers held absent until later."""
         return {
             p: h
             for p, h in self.seen.items()
             if now - h.updated < self.ttl_s
             and now - self.received[p] < self.ttl_s
             and min(h.updated, self.received[p]) > self.absent.get(p, -1.0)
+            and now >= self.held.get(p, -1.0)
         }
 
-    def mark_absent(self, expected: Iterable[str], present: Collection[str], now: float) -> None:
-        """A group formed without the `expected` peers missing from `present`."""
+    def mark_absent(
+        self,
+        expected: Iterable[str],
+        present: Collection[str],
+        now: float,
+        *,
+        until: float | None = None,
+    ) -> None:
+        """A group formed without the `expected` peers missing from `present`: not live until
+        they publish a newer head, and with `until` (our clock) not before then either."""
         for peer in expected:
             if peer not in present:
                 self.absent[peer] = now
+                if until is not None:
+                    self.held[peer] = max(self.held.get(peer, until), until)
 
     def in_flight(self, counts: Sequence[int], now: float, oldest_version: int) -> list[int]:
         """Samples per shard: `counts` (what the state holds) plus what other peers' running

@@ -14,6 +14,8 @@ Each mode is an attack the swarm must survive:
     replay       re-sends the previous round's signed header and δ (caught at admission; its
                  first round, with nothing to replay, is signed for the next round)
     wrong-shape  sends one value more than the model has, and declares it (caught at admission)
+    silent       joins groups and never sends its parts (named by the members that waited for
+                 it, held absent, left out of the retry: issue 16)
 
 A `Behaviour` is what a peer does at each point where it could cheat; the honest one changes
 nothing. `Guard` (trust.py) calls these hooks and holds no mode of its own.
@@ -59,6 +61,10 @@ class Behaviour:
     def tamper(self, flat: Tensor) -> Tensor:
         """The flat vector after every check of this peer's own (GroupAverager's hook)."""
         return flat
+
+    def withholds(self) -> bool:
+        """Whether this peer, once in a group, keeps its parts to itself."""
+        return False
 
 
 class SendsNaN(Behaviour):
@@ -128,6 +134,11 @@ class WrongShape(Behaviour):
         return torch.cat([flat, flat.new_zeros(1)])
 
 
+class StaysSilent(Behaviour):
+    def withholds(self) -> bool:
+        return True
+
+
 _BEHAVIOURS: dict[str, type[Behaviour]] = {
     "nan": SendsNaN,
     "scale": Scales,
@@ -137,6 +148,7 @@ _BEHAVIOURS: dict[str, type[Behaviour]] = {
     "forge": Forges,
     "replay": Replays,
     "wrong-shape": WrongShape,
+    "silent": StaysSilent,
 }
 CHAOS_MODES = tuple(_BEHAVIOURS)
 

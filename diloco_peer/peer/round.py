@@ -175,6 +175,7 @@ class Round:
         except AllReduceFailed as e:
             self._log_exclusions(loss)
             self.counters.wait_s += time.time() - waited
+            self._silent(e.silent)
             return self.keep(mine, f"all-reduce failed: {e}", t0)
         self.counters.wait_s += time.time() - waited
         if not self.asynchronous:
@@ -196,12 +197,27 @@ class Round:
             mine.delta, key=key, version=version, state_hash=state_hash,
             base_version=mine.base_version, steps=mine.steps, shard_samples=mine.shard_samples,
         )  # fmt: skip
-        weight = (
-            float(sum(mine.shard_samples.values())) if self.swarm.weighting == "samples" else 1.0
-        )
         if announce:
             self.heads.publish(in_group=True)
-        return key, offer, weight
+        # the envelope's weight is ignored: the admission (Guard.admit) derives every member's
+        # weight from its signed header, the same on every member
+        return key, offer, 1.0
+
+    def _silent(self, peers: tuple[str, ...]) -> None:
+        """The members our reducer waited for in vain in a failed round: named in our next
+        headers (the retry's admission leaves them out) and absent from our view until their
+        hold ends, so that the next group does not wait for them although they heartbeat."""
+        if not peers:
+            return
+        now = time.time()
+        held = self.guard.name_silent(peers, now)
+        for peer, until in held.items():
+            self.heads.book.mark_absent([peer], present=(), now=now, until=until)
+        self.events.emit(
+            "silent", version=self.replica.version, state_hash=self.replica.published_hash,
+            group_size=0, loss=self.counters.last_loss, silent_peers=sorted(held),
+            hold_s={p: round(u - now, 1) for p, u in held.items()},
+        )  # fmt: skip
 
     def _no_group(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome:
         if not self.asynchronous:
@@ -295,8 +311,8 @@ class Round:
         return RoundOutcome(RoundStatus.DROPPED)
 
     def _log_exclusions(self, loss: float) -> None:
-        for peer, reason in self.guard.drain_exclusions():
+        for peer, reason, banned in self.guard.drain_exclusions():
             self.events.emit(
                 "excluded", version=self.replica.version, state_hash=self.replica.published_hash,
-                group_size=0, loss=loss, excluded_peer=peer, reason=reason,
+                group_size=0, loss=loss, excluded_peer=peer, reason=reason, banned=banned,
             )  # fmt: skip

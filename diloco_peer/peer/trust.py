@@ -1,10 +1,14 @@
 """A peer's side of the swarm's trust rules (DESIGN.md §4): what it signs, whom it admits, whom
-it bans.
+it bans, whom it names silent.
 
 `Guard` turns a δ into the signed header gathered at matchmaking, screens the other members'
 headers once a group forms (`averaging.contribution.screen_group`, allowlist and replay memory
-included), and bans every member a round kept out, by the admission check or by a part reducer.
-Its bans go into this peer's next headers and its DHT head, so `status` shows them.
+included: it also fixes every member's averaging weight from the signed headers), and bans only
+on evidence the accused signed or this peer saw itself: a header of the member's own for this
+round that breaks a rule, or a part its own reducer excluded (the member's authenticated
+stream). What a leader or another reducer could make up only excludes. Its bans, and the members
+it waited for in vain (`name_silent`), go into this peer's next headers; bans also into its DHT
+head, so `status` shows them.
 
 Hostile behaviours for tests (`join --chaos MODE`) live in chaos.py; the guard calls their
 hooks and holds no mode of its own.
@@ -14,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from diloco_peer.averaging.contribution import (
-    BanList,
     ContributionHeader,
     NonceMemory,
     Round,
@@ -30,6 +34,7 @@ from diloco_peer.averaging.contribution import (
     shapes_digest,
 )
 from diloco_peer.averaging.group_averager import Admission, GroupResult
+from diloco_peer.averaging.marks import BanList, Silence
 from diloco_peer.averaging.matchmaking import Group
 from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free import records
@@ -64,12 +69,13 @@ class Guard:
         self.allow = allow
         self.behaviour = chaos.behaviour() if chaos is not None else Behaviour()
         self.bans = BanList(swarm.ban_rounds)
+        self.silence = Silence()
         self.nonces = NonceMemory()
         self.admitted: dict[str, ContributionHeader] = {}
         """Headers admitted in the last screened group (their shard counts feed the sampler)."""
         self.admitted_bytes: dict[str, bytes] = {}
         """... and their signed bytes, which go into the commit's certificate."""
-        self._exclusions: list[tuple[str, str]] = []
+        self._exclusions: list[tuple[str, str, bool]] = []
         self._lock = threading.Lock()  # exclusions come from the network loop and the round
 
     # ----- this peer's contribution
@@ -90,7 +96,7 @@ class Guard:
         rnd = Round(
             run=self.run_name, key=key, version=version, state_hash=state_hash, numel=numel,
             shapes=shapes, staleness_limit=self.swarm.staleness_limit,
-            norm_factor=self.swarm.norm_factor,
+            norm_factor=self.swarm.norm_factor, weighting=self.swarm.weighting,
         )  # fmt: skip
         replayed = self.behaviour.replayed()
         if replayed is not None:
@@ -103,7 +109,7 @@ class Guard:
             state_hash=state_hash, base_version=base_version, steps=steps,
             samples=sum(shard_samples.values()), shards=dict(shard_samples), numel=numel,
             shapes=shapes, norm=norm, digest=digest, nonce=new_nonce(),
-            bans=self.bans.for_header(version),
+            bans=self.bans.for_header(version), silent=self.silence.for_header(time.time()),
         )  # fmt: skip
         header = self.behaviour.header(header, delta)
         gather = header.sign(self.behaviour.signer(self.identity))
@@ -113,6 +119,10 @@ class Guard:
     def tamper(self, flat: Tensor) -> Tensor:
         """GroupAverager's hook: what a hostile peer does to the vector after every check."""
         return self.behaviour.tamper(flat)
+
+    def withholds(self, key: str) -> bool:
+        """GroupAverager's `withhold_parts` fault: a hostile peer that never sends its parts."""
+        return self.behaviour.withholds()
 
     # ----- the others' contributions
 
@@ -126,35 +136,48 @@ class Guard:
             self.admitted = screening.accepted
             self.admitted_bytes = {p: gathered[p] for p in screening.accepted}
             for peer, reason in screening.excluded.items():
-                self._exclude(peer, reason, rnd.version)
+                self._exclude(peer, reason, rnd.version, ban=peer in screening.banned)
             return Admission(
-                {p: h.norm for p, h in screening.accepted.items()}, dict(screening.excluded)
+                {p: h.norm for p, h in screening.accepted.items()},
+                dict(screening.excluded),
+                weights=dict(screening.weights),
             )
 
         return admission
 
     def settle(self, result: GroupResult, version: int) -> None:
-        """Ban the members a part reducer kept out of the round's average.
+        """Ban the members whose part this peer's own reducer excluded.
 
-        A reducer's exclusion is its word alone (a hostile reducer could accuse an honest
-        member), so it bans only when more than half of the round's reducers agree. Admission
-        exclusions were banned in `admit`: they are every honest member's own decision.
+        That is what this peer saw itself on the member's authenticated stream. Another
+        reducer's exclusion is its word alone (a hostile reducer could accuse an honest member):
+        the part stays out of the average, as every member agreed, and nobody is banned for it
+        here. Admission exclusions were settled in `admit`.
         """
-        for peer, accused in result.accusations.items():
-            reason = result.excluded[peer]
-            if accused * 2 > len(result.members):
-                self._exclude(peer, reason, version)
-            else:
-                log.warning("not banning %s: %d of %d reducers excluded it (%s)",
-                            peer[-8:], accused, len(result.members), reason)  # fmt: skip
+        for peer, reason in result.witnessed.items():
+            self._exclude(peer, f"{reason} (seen by my reducer)", version, ban=True)
+        for peer, reason in result.excluded.items():
+            if peer in result.members and peer not in result.witnessed:
+                log.warning("not banning %s on another reducer's word: %s", peer[-8:], reason)
 
-    def _exclude(self, peer: str, reason: str, version: int) -> None:
+    def name_silent(self, peers: tuple[str, ...], now: float) -> dict[str, float]:
+        """Members this peer waited for in vain (`AllReduceFailed.silent`): named in its next
+        headers until their hold ends (marks.Silence), so that the retry leaves them out; until
+        when each is held (this peer's clock)."""
+        held = self.silence.name((p for p in peers if p != self.identity.peer_id_str), now)
+        for peer, until in held.items():
+            log.warning("named %s silent for %.0f s: it sent no part", peer[-8:], until - now)
+        return held
+
+    def _exclude(self, peer: str, reason: str, version: int, *, ban: bool) -> None:
         if peer == self.identity.peer_id_str:
             return
-        self.bans.ban(peer, reason, version)
+        if ban:
+            self.bans.ban(peer, reason, version)
+            log.warning("banned %s for %d versions: %s", peer[-8:], self.bans.ban_rounds, reason)
+        else:
+            log.warning("excluded %s (no ban: nothing it signed): %s", peer[-8:], reason)
         with self._lock:
-            self._exclusions.append((peer, reason))
-        log.warning("banned %s for %d versions: %s", peer[-8:], self.bans.ban_rounds, reason)
+            self._exclusions.append((peer, reason, ban))
 
     def head_bans(self, version: int) -> dict[str, str] | None:
         """The bans this peer's DHT head lists: the most recent, reasons cut to size."""
@@ -162,8 +185,8 @@ class Guard:
         recent = sorted(active.items(), key=lambda kv: kv[1].since_version)[-records.MAX_BANS :]
         return {p: b.reason[: records.MAX_BAN_REASON] for p, b in recent} or None
 
-    def drain_exclusions(self) -> list[tuple[str, str]]:
-        """The (peer, reason) bans issued since the last call, for the event log."""
+    def drain_exclusions(self) -> list[tuple[str, str, bool]]:
+        """The (peer, reason, banned) exclusions since the last call, for the event log."""
         with self._lock:
             out, self._exclusions = self._exclusions, []
         return out
