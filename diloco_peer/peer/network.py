@@ -281,6 +281,7 @@ class Network:
             aggregation=Aggregation(method=swarm.aggregation, min_cosine=(
                 None if swarm.min_cosine <= -1 else swarm.min_cosine)),
             on_group=faults.group_hook(), tamper=guard.tamper, client_mode=node.client_mode,
+            allow=allow,
         )  # fmt: skip
         server = StateServer(node.service, prefix, blob, updates=updates, allow=allow)
         # joiners ask a peer that accepts connections whether they can be dialed
