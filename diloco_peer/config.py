@@ -55,6 +55,11 @@ MAX_INT = 2**63 - 1
 """Integers in configs and manifests beyond this are refused (JSON allows any size)."""
 DEFAULT_SHARDS = 8
 """Data shards of the built-in run (and of a swarm run whose num_shards is 0)."""
+MAX_SAFETENSORS_HEADER_BYTES = 1 << 20
+"""The largest safetensors JSON header read from outside (a peer's state or update record, a
+checkpoint file): ours take ~100 bytes a tensor plus a little metadata, tens of kB for the
+largest preset's peer checkpoint, while the safetensors library accepts 100 MB, and 14 MB of
+hostile header JSON made 175 MB of Python objects. Checked before any header is parsed."""
 
 
 def _positive(name: str, value: float) -> None:

@@ -12,10 +12,11 @@ a hang (hypothesis' deadline bounds each example, pytest-timeout each test):
     HeadRecord / SwarmRecords.parse_obj             pydantic.ValidationError
     SchemaValidator of record_validators            returns a bool (but see that test: hivemind
                                                     raises TypeError on an unhashable subkey)
-    safetensors_metadata, load_model_checkpoint     CheckpointError
+    safetensors_metadata, load_model_checkpoint     CheckpointError (also: a header over the
+                                                    1 MiB bound, whatever it holds)
     export.load_export_source (a peer checkpoint)   CheckpointError
     UpdateRecord.from_bytes, peek_update            ValueError
-    ReplicatedState.load (a donor's state)          ConfigError
+    ReplicatedState.load, Replica.load (a state)    ConfigError
     compression.decode, matchmaking.unpack_gather   AllReduceFailed
     commit.unpack_ack (a follower's ACK)            returns None
     commit.unpack_answer (a leader's commit)        LeftOut, AllReduceFailed
@@ -60,7 +61,7 @@ from diloco_peer.averaging.compression import COMPRESSIONS, decode, encoded_size
 from diloco_peer.averaging.matchmaking import Group, pack_gather, unpack_gather
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
-from diloco_peer.config import RunSpec, SwarmSettings
+from diloco_peer.config import MAX_SAFETENSORS_HEADER_BYTES, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest
 from diloco_peer.coordinator_free.records import (
@@ -70,7 +71,7 @@ from diloco_peer.coordinator_free.records import (
     owner_subkey,
     record_validators,
 )
-from diloco_peer.coordinator_free.update_log import UpdateRecord, peek_update
+from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord, peek_update
 from diloco_peer.errors import (
     AllReduceFailed,
     CheckpointError,
@@ -90,6 +91,7 @@ from diloco_peer.peer.checkpoint import (
 )
 from diloco_peer.peer.export_source import PEER_FORMAT, load_export_source
 from diloco_peer.peer.model import build_model
+from diloco_peer.peer.replica import Replica
 
 RUN = "fuzz-run"
 # Modest example counts keep the file well under 30 s on two shared cores; the deadline (per
@@ -604,6 +606,53 @@ def test_replicated_state_load_of_the_true_state(state_blob: bytes) -> None:
     state = _state()
     state.load(st_load(state_blob), _header(state_blob)["__metadata__"])
     assert state.version == 1 and state.shard_samples == [0, 64, 0]
+
+
+# ----------------------------------------------------------------------------- header bound
+
+
+def _padded(data: bytes, size: int) -> bytes:
+    """`data` with its safetensors header padded to `size` bytes with JSON whitespace (as
+    safetensors pads its own): the same document, whatever its length."""
+    header = data[8 : 8 + int.from_bytes(data[:8], "little")]
+    body = data[8 + len(header) :]
+    return size.to_bytes(8, "little") + header.ljust(size, b" ") + body
+
+
+@settings(FUZZ, max_examples=40)
+@given(st.data())
+def test_safetensors_headers_over_1_mib_are_refused_before_parsing(
+    checkpoint_bytes: bytes,
+    update_bytes: bytes,
+    state_blob: bytes,
+    scratch: Path,
+    data: st.DataObject,
+) -> None:
+    """Each parser of outside safetensors bytes (a checkpoint file, its metadata, an update
+    record, a donor's state) accepts a valid document whose header is padded up to
+    MAX_SAFETENSORS_HEADER_BYTES, and refuses it past that bound (before: 100 MB for
+    checkpoints and states, 16 MB for records)."""
+    bound = MAX_SAFETENSORS_HEADER_BYTES
+    size = data.draw(st.integers(bound - 16, bound + 16) | st.integers(bound // 2, 3 * bound))
+    parser = data.draw(st.sampled_from(["checkpoint", "metadata", "update", "peek", "state"]))
+    if parser in ("checkpoint", "metadata"):
+        content = _padded(checkpoint_bytes, size)
+        scratch.write_bytes(content)
+        parse = {
+            "checkpoint": lambda: load_model_checkpoint(scratch),
+            "metadata": lambda: safetensors_metadata(content, len(content), "blob"),
+        }[parser]
+        result = outcome(parse, CheckpointError)
+    elif parser in ("update", "peek"):
+        content = _padded(update_bytes, size)
+        parse = {"update": lambda: UpdateRecord.from_bytes(content, shapes=_SHAPES),
+                 "peek": lambda: peek_update(content)}[parser]  # fmt: skip
+        result = outcome(parse, ValueError)
+    else:
+        content = _padded(state_blob, size)
+        replica = Replica(_state(), UpdateLog(2))
+        result = outcome(lambda: replica.load(content) or True, ConfigError)
+    assert (result is not None) == (size <= bound), (parser, size)
 
 
 # ----------------------------------------------------------------------------- all-reduce wire

@@ -614,17 +614,17 @@ def test_parts_for_a_key_this_peer_left_are_refused_at_once() -> None:
     async def scenario() -> None:
         reducer = PartReducer()
         reducer.open_key("v0")
-        waiting = asyncio.ensure_future(reducer.find_round(b"d" * 32, key_tag("v0"), 5.0))
+        waiting = asyncio.ensure_future(reducer.find_round(b"d" * 32, key_tag("v0"), 5.0, "x"))
         await asyncio.sleep(0.05)
         assert not waiting.done()
         reducer.close_key("v0")
         with pytest.raises(AllReduceFailed, match="no such group"):
             await asyncio.wait_for(waiting, 1.0)
         with pytest.raises(AllReduceFailed, match="no such group"):
-            await asyncio.wait_for(reducer.find_round(b"e" * 32, key_tag("v0"), 5.0), 1.0)
+            await asyncio.wait_for(reducer.find_round(b"e" * 32, key_tag("v0"), 5.0, "x"), 1.0)
         reducer.open_key("v0")  # a retry under the same key: parts wait again (bounded)
         with pytest.raises(AllReduceFailed, match="after 0.1 s"):
-            await reducer.find_round(b"e" * 32, key_tag("v0"), 0.1)
+            await reducer.find_round(b"e" * 32, key_tag("v0"), 0.1, "x")
 
     asyncio.run(scenario())
 

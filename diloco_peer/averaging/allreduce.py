@@ -43,7 +43,7 @@ them to one stream handler of the process's P2P service.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,6 +74,7 @@ class PartExchange(HandlerServer):
     One instance per `GroupAverager`, on the process's P2PService (a replica of the DHT's
     daemon, same peer id). Every member of a group must use the same `compression` and
     `aggregation`: a member checks each answer against the bound of its own aggregation method.
+    `allow` (a private swarm's allowlist) refuses part streams of other keys before reading them.
 
         exchange = PartExchange(service, "run1", "int8")
         exchange.start()
@@ -91,6 +92,7 @@ class PartExchange(HandlerServer):
         prefix: str,
         compression: Compression,
         aggregation: Aggregation = Aggregation(),
+        allow: Callable[[str], bool] = lambda peer: True,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -99,7 +101,7 @@ class PartExchange(HandlerServer):
         super().__init__(service)
         self._compression, self._aggregation = compression, aggregation
         self._handler_name = f"{prefix}-part"
-        self._reducer = PartReducer()
+        self._reducer = PartReducer(allow=allow)  # strangers are refused before they are read
         self._serving: set[asyncio.Task[Any]] = set()  # loop thread only
 
     @property

@@ -128,6 +128,9 @@ class GroupAverager(BackgroundPart):
         client mode too). It joins groups that others lead, sends its parts and reads the
         averages over streams it opens itself, and reduces no part: the members that accept
         connections share the parts. A group whose admitted members are all clients is NoGroup.
+    :param allow: called in the loop thread with a peer id: False for a key outside a private
+        swarm's allowlist, whose part streams are refused unread (admission keeps it out of
+        groups anyway; this keeps it from holding the reducer's waiting slots).
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class GroupAverager(BackgroundPart):
         client_mode: bool = False,
         delay_ack: Callable[[str], float] | None = None,
         withhold_parts: Callable[[str], bool] | None = None,
+        allow: Callable[[str], bool] = lambda peer: True,
     ) -> None:
         if not _NAME.fullmatch(prefix):
             raise ValueError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
@@ -163,7 +167,7 @@ class GroupAverager(BackgroundPart):
         self._client_mode = bool(client_mode)
         self._delay_ack = delay_ack
         self._withhold_parts = withhold_parts
-        self._exchange = PartExchange(service, prefix, compression, self._aggregation)
+        self._exchange = PartExchange(service, prefix, compression, self._aggregation, allow)
         self._desk = CommitDesk(service, prefix)
         self._peer_id: str | None = None
         self._busy = threading.Lock()  # one average() at a time

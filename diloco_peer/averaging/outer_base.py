@@ -118,6 +118,11 @@ class OuterOptimizer(ABC):
     # -- public API
 
     @property
+    def buffer_count(self) -> int:
+        """Model-sized fp32 tensors the state keeps per parameter (Nesterov: 1, Adam: 2)."""
+        return len(self._buffers)
+
+    @property
     @abstractmethod
     def hparams(self) -> dict[str, HParam]:
         """Hyper-parameters as JSON values; `load_state_dict` requires them to match."""

@@ -16,19 +16,25 @@ Traffic is counted per round (`Round.bytes_sent`, `bytes_received`): every frame
 included, on both ends of every stream the round uses, as a member and as a reducer. A stream
 counts for a round from the moment its reducer accepts the part; parts refused before (unknown
 round, stranger, duplicate) count for no round.
+
+A part for a round not started here may wait for it; membership of such a round cannot be
+checked yet, so what a sender can hold is bounded instead (`SenderSlots`): at most
+`MAX_WAITING_PER_SENDER` of its streams wait at once, `MAX_WAITING_PARTS` in all, and a sender the
+allowlist refuses is turned away before it is read at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from hivemind.p2p import P2P
 from torch import Tensor
 
 from diloco_peer.averaging.compression import CODEC_ID, Compression, decode, encoded_size
-from diloco_peer.averaging.partition import key_tag, part_sizes
+from diloco_peer.averaging.partition import MAX_CHUNKS, key_tag, part_sizes
 from diloco_peer.averaging.robust import (
     Aggregation,
     Exclusion,
@@ -37,6 +43,7 @@ from diloco_peer.averaging.robust import (
 )
 from diloco_peer.averaging.wire import OK, PART_HEADER, PartHeader, pack_answer, refusal
 from diloco_peer.errors import AllReduceFailed
+from diloco_peer.p2p.slots import SenderSlots
 from diloco_peer.p2p.streams import STREAM_ERRORS, consume, framed_size, linger, read_frame
 
 logger = logging.getLogger(__name__)
@@ -51,9 +58,14 @@ _UNKNOWN_ROUND_WAIT_S = 30.0
 slightly different moments on different members; the sender's own timeout bounds it further)."""
 _CLOSED_ROUND_RETAIN_S = 60.0
 """How long a finished round stays known, so a late part gets its answer or a prompt refusal."""
-_MAX_PENDING_ROUNDS = 64
-"""Unknown round digests a reducer is willing to wait for at once (a bound on memory for parts
-that name rounds this peer never joins)."""
+MAX_WAITING_PER_SENDER = 2 * MAX_CHUNKS
+"""Part streams of one sender that may wait at once for rounds not started here. An honest
+member sends one stream per chunk of its round (at most MAX_CHUNKS), and may have the streams of
+a round that failed on its side still waiting here (up to _UNKNOWN_ROUND_WAIT_S): twice that.
+One key opening more streams only gets them refused; it cannot take the others' slots."""
+MAX_WAITING_PARTS = 256
+"""Part streams of all senders that may wait at once for rounds not started here: a bound on the
+memory parts naming rounds this peer never joins can hold (16 senders of a full round each)."""
 _MAX_CLOSED_KEYS = 256
 SILENCE_SHARE = 0.5
 """A member whose part my reducer lacks when the round fails is named silent only if the round
@@ -236,13 +248,25 @@ class PartReducer:
     Lives in one asyncio loop (the P2P service's). A part may arrive before its round starts
     here (matchmaking ends at slightly different moments on different members): it waits for
     the round, boundedly, unless this peer's matchmaking for that key is over (`close_key`).
+
+    :param allow: called in the loop thread with a sender's authenticated peer id; a part from a
+        sender it refuses (a private swarm's allowlist) is turned away before its header is read.
+    :param max_waiting, max_waiting_per_sender: bounds on the part streams waiting for rounds not
+        started here, in all and per sender (MAX_WAITING_PARTS, MAX_WAITING_PER_SENDER).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        allow: Callable[[str], bool] = lambda peer: True,
+        max_waiting: int = MAX_WAITING_PARTS,
+        max_waiting_per_sender: int = MAX_WAITING_PER_SENDER,
+    ) -> None:
+        self._allow = allow
         self._rounds: dict[bytes, Round] = {}
         # parts that arrived before their round started here wait on these, by round digest
-        self._round_started: dict[bytes, asyncio.Event] = {}
-        self._pending_keys: dict[bytes, bytes] = {}  # digest -> key tag, for those parts
+        self._pending: dict[bytes, _Pending] = {}
+        self._waiting = SenderSlots(max_waiting, max_waiting_per_sender)
         # keys whose matchmaking is over here (insertion-ordered, oldest dropped first): a part
         # for an unknown round of such a key is refused at once instead of waiting in vain
         self._closed_keys: dict[bytes, None] = {}
@@ -260,19 +284,18 @@ class PartReducer:
         self._closed_keys[tag] = None
         while len(self._closed_keys) > _MAX_CLOSED_KEYS:
             del self._closed_keys[next(iter(self._closed_keys))]
-        for digest, pending_tag in list(self._pending_keys.items()):
-            if pending_tag == tag and digest not in self._rounds:
-                self._pending_keys.pop(digest)
-                self._round_started.pop(digest).set()  # the waiter wakes and finds no round
+        for digest, pending in list(self._pending.items()):
+            if pending.tag == tag and digest not in self._rounds:
+                del self._pending[digest]
+                pending.started.set()  # the waiters wake and find no round
 
     def add(self, rounds: Iterable[Round]) -> None:
         """These rounds start here: parts for them are accepted, those waiting wake up."""
         for rnd in rounds:
             self._rounds[rnd.digest] = rnd
-            self._pending_keys.pop(rnd.digest, None)
-            started = self._round_started.pop(rnd.digest, None)
-            if started is not None:
-                started.set()  # parts that came before the round started here
+            pending = self._pending.pop(rnd.digest, None)
+            if pending is not None:
+                pending.started.set()  # parts that came before the round started here
 
     def retire(self, rounds: Iterable[Round]) -> None:
         """These rounds are over here; they stay known for a while, so that a late part gets
@@ -284,29 +307,35 @@ class PartReducer:
     def _forget(self, digest: bytes) -> None:
         self._rounds.pop(digest, None)
 
-    async def find_round(self, digest: bytes, tag: bytes, wait_s: float) -> Round:
+    async def find_round(self, digest: bytes, tag: bytes, wait_s: float, sender: str) -> Round:
         """The round `digest` names, waiting up to `wait_s` for it to start here;
-        AllReduceFailed if it does not, or if its key's matchmaking is over here."""
+        AllReduceFailed if it does not, if its key's matchmaking is over here, or if `sender`
+        (or everyone) has too many parts waiting already (`SenderSlots`)."""
         rnd = self._rounds.get(digest)
         if rnd is not None:
             return rnd
         if tag in self._closed_keys:
             raise AllReduceFailed("this peer is in no such group (its matchmaking ended otherwise)")
-        started = self._round_started.get(digest)
-        if started is None:
-            if len(self._round_started) >= _MAX_PENDING_ROUNDS:
-                raise AllReduceFailed("too many parts for rounds this peer has not started")
-            started = self._round_started[digest] = asyncio.Event()
-            self._pending_keys[digest] = tag
+        if not self._waiting.take(sender):
+            raise AllReduceFailed(
+                "too many parts waiting for rounds this peer has not started "
+                f"(slots {self._waiting.why_not(sender)})"
+            )
+        pending = self._pending.get(digest)
+        if pending is None:
+            pending = self._pending[digest] = _Pending(tag)
+        pending.waiters += 1
         try:
-            await asyncio.wait_for(started.wait(), wait_s)
+            await asyncio.wait_for(pending.started.wait(), wait_s)
         except asyncio.TimeoutError:
-            if self._round_started.get(digest) is started:  # nobody started it: drop the entry
-                self._round_started.pop(digest)
-                self._pending_keys.pop(digest, None)
             raise AllReduceFailed(
                 f"no round {digest.hex()[:12]} here after {wait_s:.1f} s"
             ) from None
+        finally:
+            self._waiting.give(sender)
+            pending.waiters -= 1
+            if pending.waiters == 0 and self._pending.get(digest) is pending:
+                del self._pending[digest]  # nobody started it, and nobody waits any more
         rnd = self._rounds.get(digest)
         if rnd is None:
             raise AllReduceFailed("this peer is in no such group (its matchmaking ended otherwise)")
@@ -354,13 +383,21 @@ class PartReducer:
         await asyncio.wait_for(P2P.send_raw_data(response, writer), reply_timeout_s)
 
     async def claim_part(self, sender: str, reader: asyncio.StreamReader) -> Round:
-        """Read a part's header and accept the stream into its round, or raise AllReduceFailed."""
+        """Read a part's header and accept the stream into its round, or raise AllReduceFailed.
+        A sender the allowlist refuses is refused before anything is read."""
+        try:
+            allowed = bool(self._allow(sender))
+        except Exception as e:  # a broken allow() refuses rather than accepting by accident
+            logger.exception("allow(%s) failed", short_id(sender))
+            raise AllReduceFailed(f"not allowed ({type(e).__name__} in the check)") from None
+        if not allowed:
+            raise AllReduceFailed(f"{short_id(sender)} is not allowed in this swarm")
         raw = await asyncio.wait_for(
             read_frame(reader, PART_HEADER.size, AllReduceFailed), _HEADER_TIMEOUT_S
         )
         header = PartHeader.unpack(raw)
         wait_s = min(header.timeout_s, _UNKNOWN_ROUND_WAIT_S)
-        rnd = await self.find_round(header.digest, header.key_tag, wait_s)
+        rnd = await self.find_round(header.digest, header.key_tag, wait_s, sender)
         _check_against_plan(rnd, sender, header)
         rnd.accept(sender, framed_size(raw))
         return rnd
@@ -389,6 +426,16 @@ class PartReducer:
             raise AllReduceFailed(f"malformed part, excluded: {e}") from None
         rnd.deliver(sender, part)
         return await asyncio.wait_for(asyncio.shield(rnd.result), rnd.remaining_s())
+
+
+@dataclass
+class _Pending:
+    """A round not started here that parts wait for: its key's tag (from the first part's
+    header), the event that wakes them, and how many wait."""
+
+    tag: bytes
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    waiters: int = 0
 
 
 def _check_against_plan(rnd: Round, sender: str, header: PartHeader) -> None:

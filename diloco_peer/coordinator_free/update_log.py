@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from safetensors.torch import save
 
+from diloco_peer.config import MAX_SAFETENSORS_HEADER_BYTES
+
 FORMAT = "diloco-peer/update-v1"
 """The `format` tag of a serialised UpdateRecord; another tag is refused."""
 _KEYS = frozenset(
@@ -50,10 +52,10 @@ _HASH = re.compile(r"[0-9a-f]{1,128}")
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,18}")
 """Integers in metadata: ASCII digits, no sign, no leading zero (int() alone accepts ' +1_0')."""
 _MAX_INT = 2**63 - 1
-_MAX_METADATA_BYTES = 1 << 20
-"""Bound on `shard_samples` plus `info` as JSON: a record is tensors plus a little metadata."""
-_MAX_HEADER_BYTES = 16 << 20
-"""Bound on the JSON header a parser accepts: the metadata plus ~100 bytes per tensor."""
+_MAX_METADATA_BYTES = MAX_SAFETENSORS_HEADER_BYTES // 2
+"""Bound on `shard_samples` plus `info` as JSON strings inside the header (escapes included): a
+record is tensors plus a little metadata, and its header (the metadata plus ~100 bytes per
+tensor) must stay within MAX_SAFETENSORS_HEADER_BYTES, the most a parser accepts."""
 _MAX_DIMS = 64
 """torch's own limit; also keeps a hostile shape's product a small integer to compute."""
 _F32 = "F32"
@@ -130,9 +132,13 @@ class UpdateRecord:
         object.__setattr__(self, "shard_samples", dict(sorted(shards.items())))
         object.__setattr__(self, "info", dict(self.info))
         object.__setattr__(self, "average", tuple(self.average))
-        size = len(self._shards_json()) + len(self._info_json())
+        # as the header holds them: JSON strings, escapes included (ASCII-only escapes are an
+        # upper bound on the UTF-8 safetensors writes)
+        size = len(json.dumps(self._shards_json())) + len(json.dumps(self._info_json()))
         if size > _MAX_METADATA_BYTES:
-            raise ValueError(f"shard_samples and info take {size} bytes, at most 1 MiB")
+            raise ValueError(
+                f"shard_samples and info take {size} bytes, at most {_MAX_METADATA_BYTES}"
+            )
 
     def _shards_json(self) -> str:
         return json.dumps([[s, n] for s, n in self.shard_samples.items()])
@@ -246,7 +252,7 @@ def _read_header(
     if not isinstance(data, bytes) or len(data) < 8:
         raise ValueError("not an update record (too short)")
     size = int.from_bytes(data[:8], "little")
-    if not 2 <= size <= min(_MAX_HEADER_BYTES, len(data) - 8):
+    if not 2 <= size <= min(MAX_SAFETENSORS_HEADER_BYTES, len(data) - 8):
         raise ValueError(f"not an update record (header of {size} bytes)")
     header = _json(data[8 : 8 + size], "record header")
     if not isinstance(header, dict):

@@ -54,24 +54,36 @@ class Downloads(Protocol):
 
 @dataclass(frozen=True)
 class SwarmDownloads:
-    """The state_transfer downloads from this run's donors, over this process's service."""
+    """The state_transfer downloads from this run's donors, over this process's service. Each
+    is bounded in time (its timeout, and the stall timeout of state_transfer) and in size: a
+    donor that announces more than this run's state or record can take is refused before it
+    sends any data (`Replica.max_blob_bytes`, `Replica.max_record_bytes`)."""
 
     service: P2PService
     prefix: str
     """The state servers' run prefix (`StateServer.run`)."""
+    max_state_bytes: int
+    """The largest full state of this run, serialised."""
+    max_update_bytes: int
+    """The largest update record of this run, serialised."""
 
     def update(self, donor: str, base_version: int) -> bytes:
         return download_update(
-            self.service, self.prefix, donor, base_version, timeout_s=UPDATE_TIMEOUT_S
-        )
+            self.service, self.prefix, donor, base_version, timeout_s=UPDATE_TIMEOUT_S,
+            max_bytes=self.max_update_bytes,
+        )  # fmt: skip
 
     def state(self, donor: str) -> StateBlob:
-        return download_state(self.service, self.prefix, donor, timeout_s=STATE_TIMEOUT_S)
+        return download_state(
+            self.service, self.prefix, donor, timeout_s=STATE_TIMEOUT_S,
+            max_bytes=self.max_state_bytes,
+        )  # fmt: skip
 
     def state_multi(self, donors: Sequence[str], state_hash: str) -> StateBlob:
         return download_state_multi(
-            self.service, self.prefix, list(donors), state_hash, timeout_s=STATE_TIMEOUT_S
-        )
+            self.service, self.prefix, list(donors), state_hash, timeout_s=STATE_TIMEOUT_S,
+            max_bytes=self.max_state_bytes,
+        )  # fmt: skip
 
 
 class Replay(enum.Enum):

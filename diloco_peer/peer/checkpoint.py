@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from diloco_peer.config import RunSpec
+from diloco_peer.config import MAX_SAFETENSORS_HEADER_BYTES, RunSpec
 from diloco_peer.errors import CheckpointError
 
 FORMAT = "diloco-peer/model-v1"
@@ -73,11 +73,16 @@ def save_model_checkpoint(
 def safetensors_metadata(head: bytes, total_size: int, source: str) -> dict[str, str]:
     """The `__metadata__` of a safetensors file or blob from its first bytes (at least the
     8-byte length and the JSON header), without trusting the rest. CheckpointError if
-    malformed; `total_size` bounds the header length the prefix claims."""
+    malformed; `total_size` and MAX_SAFETENSORS_HEADER_BYTES bound the header length the prefix
+    claims, before any of it is parsed (or, for a file, read)."""
     if len(head) < 8:
         raise CheckpointError(f"{source}: not a safetensors checkpoint (too short)")
     size = int.from_bytes(head[:8], "little")
-    if size <= 0 or size > min(100_000_000, total_size - 8) or len(head) < 8 + size:
+    if (
+        size <= 0
+        or size > min(MAX_SAFETENSORS_HEADER_BYTES, total_size - 8)
+        or len(head) < 8 + size
+    ):
         raise CheckpointError(f"{source}: not a safetensors checkpoint (bad header size)")
     try:
         header = json.loads(head[8 : 8 + size])
@@ -99,7 +104,7 @@ def read_file_metadata(path: Path) -> dict[str, str]:
         with open(path, "rb") as f:
             head = f.read(8)
             size = int.from_bytes(head, "little") if len(head) == 8 else 0
-            head += f.read(min(size, 100_000_000))
+            head += f.read(min(size, MAX_SAFETENSORS_HEADER_BYTES))
         total = path.stat().st_size
     except OSError as e:
         raise CheckpointError(f"{path}: unreadable checkpoint ({e.strerror})") from e

@@ -39,6 +39,7 @@ from diloco_peer.p2p.service import P2PService
 from diloco_peer.peer.catch_up import SwarmDownloads
 from diloco_peer.peer.faults import FaultPlan
 from diloco_peer.peer.heads import DHT_TIMEOUT_S, MANIFEST_EXPIRATION_S
+from diloco_peer.peer.replica import Replica
 from diloco_peer.peer.trust import Guard
 
 log = logging.getLogger(__name__)
@@ -257,8 +258,12 @@ class Network:
     def client_mode(self) -> bool:
         return self.node.client_mode
 
-    def downloads(self) -> SwarmDownloads:
-        return SwarmDownloads(self.node.service, self.server.run)
+    def downloads(self, replica: Replica) -> SwarmDownloads:
+        """Downloads from this run's donors, bounded by the sizes of `replica`'s model."""
+        return SwarmDownloads(
+            self.node.service, self.server.run, max_state_bytes=replica.max_blob_bytes(),
+            max_update_bytes=replica.max_record_bytes(),
+        )  # fmt: skip
 
     @classmethod
     def serve(
@@ -282,6 +287,7 @@ class Network:
                 None if swarm.min_cosine <= -1 else swarm.min_cosine)),
             on_group=faults.group_hook(), tamper=guard.tamper, client_mode=node.client_mode,
             withhold_parts=guard.withholds,
+            allow=allow,
         )  # fmt: skip
         server = StateServer(node.service, prefix, blob, updates=updates, allow=allow)
         # joiners ask a peer that accepts connections whether they can be dialed

@@ -20,6 +20,7 @@ from safetensors.torch import save as st_save
 
 from diloco_peer.averaging.certificate import pack_headers
 from diloco_peer.averaging.state import ReplicatedState
+from diloco_peer.config import MAX_SAFETENSORS_HEADER_BYTES
 from diloco_peer.coordinator_free.state_transfer import StateBlob
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
 from diloco_peer.errors import BadInput, ConfigError
@@ -68,6 +69,19 @@ class Replica:
     def update_bytes(self) -> int:
         """θ's size in fp32: what one replayed update downloads (its tensors)."""
         return 4 * sum(t.numel() for t in self.state.theta)
+
+    def max_blob_bytes(self) -> int:
+        """The most bytes any serialised state of this run takes: θ and each outer buffer in
+        fp32 (whether or not ours exist yet: none before the first outer step), behind a
+        safetensors header of at most MAX_SAFETENSORS_HEADER_BYTES. Every peer of the run has
+        the same model, so a donor that announces more is refused before it sends any."""
+        tensors = (1 + self.state.outer.buffer_count) * self.update_bytes()
+        return 8 + MAX_SAFETENSORS_HEADER_BYTES + tensors
+
+    def max_record_bytes(self) -> int:
+        """The most bytes a serialised update record of this run takes: one fp32 average per
+        parameter behind a header of at most MAX_SAFETENSORS_HEADER_BYTES."""
+        return 8 + MAX_SAFETENSORS_HEADER_BYTES + self.update_bytes()
 
     @property
     def version(self) -> int:

@@ -167,7 +167,7 @@ class SwarmPeer:
             faults=self.faults, blob=lambda: self.replica.blob, updates=self.replica.updates.get,
             allow=self._allowed,
         )  # fmt: skip
-        self.catching_up = CatchUp(self.replica, self.net.downloads(), me=self.peer_id,
+        self.catching_up = CatchUp(self.replica, self.net.downloads(self.replica), me=self.peer_id,
                                    keep_updates=self.swarm.keep_updates,
                                    verify=self.certifier.verify)  # fmt: skip
         self._resume(ckpt)

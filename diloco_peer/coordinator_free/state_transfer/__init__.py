@@ -36,12 +36,15 @@ for a refusal, whose `refusal` (`RefusalCode`) says why: callers branch on those
 message, which is for humans.
 
 Chunking keeps every frame small, so a state of hundreds of MB never becomes one giant frame. The
-requester enforces `max_bytes` on the header before reading any data, checks every frame against
-what is left, and bounds the whole transfer with one `timeout_s`; the donor bounds each chunk's
-send, so a requester that stops reading is dropped. A multi-donor download also bounds each
-stream's silence (`stall_timeout_s`), so a donor that stops sending loses its range to another
-donor long before the whole download's timeout, and in its end game fetches the rest of a range
-again only from a stalled donor, cancelling the slower copy (endgame.py); see
+requester enforces `max_bytes` on the header before reading any data (catch-up passes the most
+this run's model can take, not 2**31), checks every frame against what is left, and bounds the
+whole transfer with one `timeout_s` and each stream's silence with `stall_timeout_s` (every
+download, single-donor ones included), so a donor that stops sending is given up long before the
+download's timeout. The donor takes one of its `max_uploads` slots only for a valid request of
+an allowed peer, at most `max_uploads_per_peer` per requester, and drops a requester that reads
+slower than `min_upload_bytes_s` on average (server.py). A multi-donor download's stalled donor
+loses its range to another, and in its end game the rest of a range is fetched again only from
+a stalled donor, cancelling the slower copy (endgame.py); see
 `download_state_multi` for how ranges are shared out, re-queued and checked. `allow` sees the
 requester's libp2p-authenticated peer id (the stream's, never a claimed field), which is how a
 private swarm refuses downloads to peers outside its allowlist.

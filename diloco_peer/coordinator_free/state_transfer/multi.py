@@ -4,15 +4,16 @@ behind peer downloads first. The ranges' bookkeeping is multi_job.py's."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 
 from diloco_peer.coordinator_free.state_transfer.multi_job import MultiDownload, NoRangeDonors
 from diloco_peer.coordinator_free.state_transfer.single import download_state
 from diloco_peer.coordinator_free.state_transfer.transfer import (
+    STALL_TIMEOUT_S,
     check_download,
     check_range_args,
+    check_stall,
     run_bounded,
 )
 from diloco_peer.coordinator_free.state_transfer.wire import StateBlob
@@ -24,10 +25,6 @@ logger = logging.getLogger(__name__)
 RANGE_BYTES = 4 << 20
 """What `download_state_multi` asks one donor for at a time: a few frames, so that a donor that
 leaves costs little to redo, and few enough requests that their round trips cost little."""
-STALL_TIMEOUT_S = 15.0
-"""How long one stream may receive nothing (no header, no data) before it fails and its range
-goes back to the queue; a range may also take this long per 1 MiB (a donor under ~70 kB/s
-fails). The end game takes a range again much sooner (endgame.py)."""
 MAX_STREAMS_PER_DONOR = 8
 
 
@@ -74,16 +71,8 @@ def download_state_multi(
     Raises StateTransferFailed (NO_DONOR with each donor's reason, TIMED_OUT, STOPPED) on
     failure, ValueError on bad arguments.
     """
-    _check_multi_args(
-        run,
-        donors,
-        state_hash,
-        timeout_s,
-        range_bytes,
-        streams_per_donor,
-        stall_timeout_s,
-        max_bytes,
-    )
+    _check_multi_args(run, donors, state_hash, timeout_s, range_bytes, streams_per_donor,
+                      stall_timeout_s, max_bytes)  # fmt: skip
     me = service.peer_id
     tag = f"[{me[-6:]} state {run} from {len(donors)} donors]"
     job = MultiDownload(run, state_hash, range_bytes, max_bytes, stall_timeout_s, on_progress)
@@ -95,7 +84,9 @@ def download_state_multi(
         )
     except NoRangeDonors as e:
         left_s = timeout_s - (time.perf_counter() - started)
-        return _download_whole(service, run, e.donors, state_hash, left_s, max_bytes, on_progress)
+        return _download_whole(
+            service, run, e.donors, state_hash, left_s, max_bytes, stall_timeout_s, on_progress
+        )
     elapsed_s = time.perf_counter() - started
     logger.info(
         "%s got version %d: %d bytes in %.2f s (%.1f MB/s), %d received (%.3fx), %d ranges "
@@ -135,10 +126,7 @@ def _check_multi_args(
             f"streams_per_donor must be an integer in [1, {MAX_STREAMS_PER_DONOR}], "
             f"got {streams_per_donor!r}"
         )
-    if isinstance(stall_timeout_s, bool) or not isinstance(stall_timeout_s, (int, float)):
-        raise ValueError(f"stall_timeout_s must be a number, got {stall_timeout_s!r}")
-    if not (math.isfinite(stall_timeout_s) and stall_timeout_s > 0):
-        raise ValueError(f"stall_timeout_s must be finite and > 0, got {stall_timeout_s!r}")
+    check_stall(stall_timeout_s)
     if isinstance(donors, (str, bytes)) or not isinstance(donors, Sequence):
         raise ValueError(f"donors must be a sequence of peer ids, got {type(donors).__name__}")
 
@@ -150,6 +138,7 @@ def _download_whole(
     state_hash: str,
     timeout_s: float,
     max_bytes: int,
+    stall_timeout_s: float,
     on_progress: Callable[[int, int], None] | None,
 ) -> StateBlob:
     """The fallback to donors that predate ranged requests: whole downloads, one donor at a
@@ -163,8 +152,9 @@ def _download_whole(
             break
         try:
             blob = download_state(
-                service, run, donor, timeout_s=left_s, max_bytes=max_bytes, on_progress=on_progress
-            )
+                service, run, donor, timeout_s=left_s, max_bytes=max_bytes,
+                stall_timeout_s=stall_timeout_s, on_progress=on_progress,
+            )  # fmt: skip
         except StateTransferFailed as e:
             reasons.append(str(e))
             continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from diloco_peer.coordinator_free.state_transfer.wire import (
     Header,
     RangeRequest,
     Refusal,
+    Request,
     StateBlob,
     UpdateRequest,
     check_run,
@@ -32,6 +34,7 @@ from diloco_peer.coordinator_free.update_log import peek_update
 from diloco_peer.errors import RefusalCode
 from diloco_peer.p2p.handler import HANDLER_CALL_TIMEOUT_S, HandlerServer
 from diloco_peer.p2p.service import P2PService
+from diloco_peer.p2p.slots import SenderSlots
 from diloco_peer.p2p.streams import STREAM_ERRORS, linger
 
 logger = logging.getLogger(__name__)
@@ -40,8 +43,25 @@ REQUEST_TIMEOUT_S = 10.0
 """How long a donor waits for the request on a stream it did not open."""
 CHUNK_SEND_TIMEOUT_S = 30.0
 """How long a donor waits for one chunk to leave (a requester reading under ~35 kB/s is dropped)."""
+MIN_UPLOAD_BYTES_S = 64 << 10
+"""The slowest average rate a requester may read an answer at (after UPLOAD_GRACE_S): a peer
+that drains slower loses its upload slot, so a slow or hostile reader holds one for at most
+UPLOAD_GRACE_S + its bytes / 64 KiB/s (a 40 MB state: ~11 min). 64 KiB/s is half a megabit,
+below any link a peer that trains could use, and about what a multi-donor download already
+demands of a donor (multi.STALL_TIMEOUT_S: 1 MiB in 15 s)."""
+UPLOAD_GRACE_S = 10.0
+"""Time an answer gets on top of its bytes at MIN_UPLOAD_BYTES_S: opening a stream over a slow
+WAN, the requester's first reads and the buffers between the donor and its stream."""
+MAX_UPLOADS_PER_PEER = 2
+"""Downloads one requester may have served at once by one donor: a multi-donor download's
+default streams per donor. One key cannot take all of `max_uploads`; a busy refusal tells a
+requester with more to ask again later."""
 SHUTDOWN_GRACE_S = 3.0
 """How long shutdown lets uploads in progress go on before cancelling them."""
+
+
+class _TooSlow(Exception):
+    """A requester read an answer slower than the server's minimum rate (never leaves here)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,10 @@ class StateServer(HandlerServer):
     :param max_uploads: downloads served at once (full states, ranges and updates together; a
         multi-donor download keeps up to `streams_per_donor` ranges in flight per donor); more are
         refused as "busy", which bounds the upload bandwidth and memory a flock of joiners can take.
+        A stream takes a slot only once its request is read and valid and its requester allowed.
+    :param max_uploads_per_peer: of those, how many one requester may hold (MAX_UPLOADS_PER_PEER).
+    :param min_upload_bytes_s, upload_grace_s: a requester reading an answer slower than this on
+        average, after the grace, is dropped and its slot freed (MIN_UPLOAD_BYTES_S, UPLOAD_GRACE_S).
     :param updates: called in the loop thread with a base version; returns the serialised
         UpdateRecord from that version (e.g. `UpdateLog.get`), or None if not kept. Without it,
         update requests are refused.
@@ -102,17 +126,25 @@ class StateServer(HandlerServer):
         *,
         allow: Callable[[str], bool] = lambda peer_id: True,
         max_uploads: int = 4,
+        max_uploads_per_peer: int = MAX_UPLOADS_PER_PEER,
         updates: Callable[[int], bytes | None] | None = None,
         frame_bytes: int = CHUNK_BYTES,
         pace: Callable[[int, int, int], Awaitable[None]] | None = None,
+        min_upload_bytes_s: float = MIN_UPLOAD_BYTES_S,
+        upload_grace_s: float = UPLOAD_GRACE_S,
     ) -> None:
         self._run = check_run(run)
         if not callable(provide) or not callable(allow):
             raise ValueError("provide and allow must be callables")
         if updates is not None and not callable(updates):
             raise ValueError("updates must be a callable or None")
-        if isinstance(max_uploads, bool) or not isinstance(max_uploads, int) or max_uploads < 1:
-            raise ValueError(f"max_uploads must be an integer >= 1, got {max_uploads!r}")
+        self._uploads = SenderSlots(max_uploads, max_uploads_per_peer)  # ValueError if not >= 1
+        for name, value in (("min_upload_bytes_s", min_upload_bytes_s),
+                            ("upload_grace_s", upload_grace_s)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
         if (
             isinstance(frame_bytes, bool)
             or not isinstance(frame_bytes, int)
@@ -126,7 +158,7 @@ class StateServer(HandlerServer):
         self._answers = 0  # answers with data so far (loop thread only), for `pace`
         self._provide, self._allow = provide, allow
         self._updates = updates
-        self._max_uploads = max_uploads
+        self._min_upload_bytes_s, self._upload_grace_s = min_upload_bytes_s, upload_grace_s
         self._serving: set[asyncio.Task[None]] = set()  # loop thread only
 
     @property
@@ -156,58 +188,86 @@ class StateServer(HandlerServer):
         task = asyncio.current_task()
         requester = info.peer_id.to_base58()  # authenticated by libp2p
         tag = f"[{self._service.peer_id[-6:]} state {self._run}]"
-        busy = len(self._serving) >= self._max_uploads
         if task is not None:
             self._serving.add(task)
+        holds_slot = False
         try:
             try:
-                answer = await self._accept(requester, reader, busy)
+                answer = self._answer(await self._read(requester, reader))
+                # a slot only for an allowed peer's valid request that has an answer, and never
+                # more than max_uploads_per_peer for one peer: a key cannot hold the others'
+                if not self._uploads.take(requester):
+                    why = self._uploads.why_not(requester)
+                    raise Refusal(RefusalCode.BUSY, f"busy: upload slots {why}, try later")
             except Refusal as e:
                 logger.info("%s refused %s: %s", tag, requester[-6:], e)
                 await asyncio.wait_for(P2P.send_raw_data(e.encode(), writer), REQUEST_TIMEOUT_S)
                 await linger(reader)
                 return
-            header = Header(answer.version, len(answer.data), answer.hash).encode()
-            await asyncio.wait_for(P2P.send_raw_data(header, writer), CHUNK_SEND_TIMEOUT_S)
+            holds_slot = True
             started = time.perf_counter()
-            self._answers += 1
-            number = self._answers
-            # slices share the blob's memory: no copy per range or per chunk
-            view = memoryview(answer.data)[answer.start : answer.end]
-            for offset in range(0, len(view), self._frame_bytes):
-                chunk = view[offset : offset + self._frame_bytes]
-                if self._pace is not None:
-                    paced = self._pace(number, offset, len(chunk))
-                    await asyncio.wait_for(paced, CHUNK_SEND_TIMEOUT_S)
-                await asyncio.wait_for(P2P.send_raw_data(chunk, writer), CHUNK_SEND_TIMEOUT_S)
+            sent = await self._send(answer, writer)
+            self._uploads.give(requester)  # sent: waiting for the requester to close costs none
+            holds_slot = False
             await linger(reader)
             logger.log(
                 logging.INFO if answer.end is None else logging.DEBUG,  # ranges: many per join
                 "%s sent %s (%d bytes) to %s in %.2f s",
                 tag,
                 answer.what,
-                len(view),
+                sent,
                 requester[-6:],
                 time.perf_counter() - started,
             )
+        except _TooSlow as e:
+            logger.info("%s upload to %s dropped: %s", tag, requester[-6:], e)
         except STREAM_ERRORS as e:
             logger.info("%s upload to %s broken off: %r", tag, requester[-6:], e)
         finally:
             writer.close()
+            if holds_slot:
+                self._uploads.give(requester)
             if task is not None:
                 self._serving.discard(task)
 
-    async def _accept(self, requester: str, reader: asyncio.StreamReader, busy: bool) -> _Answer:
-        """Read and check the request; returns what to send, or raises Refusal."""
+    async def _send(self, answer: _Answer, writer: asyncio.StreamWriter) -> int:
+        """The OK header, then the data in frames, each within CHUNK_SEND_TIMEOUT_S and all of
+        them at `min_upload_bytes_s` on average (after `upload_grace_s`): _TooSlow otherwise.
+        Only the time spent waiting for the requester to take frames counts, not `pace`.
+        Returns the data bytes sent."""
+        header = Header(answer.version, len(answer.data), answer.hash).encode()
+        await asyncio.wait_for(P2P.send_raw_data(header, writer), CHUNK_SEND_TIMEOUT_S)
+        self._answers += 1
+        number = self._answers
+        sending_s = 0.0  # time the requester took to take the frames so far
+        # slices share the blob's memory: no copy per range or per chunk
+        view = memoryview(answer.data)[answer.start : answer.end]
+        for offset in range(0, len(view), self._frame_bytes):
+            chunk = view[offset : offset + self._frame_bytes]
+            if self._pace is not None:
+                await asyncio.wait_for(self._pace(number, offset, len(chunk)), CHUNK_SEND_TIMEOUT_S)
+            # the frame must be out by when the minimum rate would have sent it
+            owed_s = self._upload_grace_s + (offset + len(chunk)) / self._min_upload_bytes_s
+            left_s = min(CHUNK_SEND_TIMEOUT_S, owed_s - sending_s)
+            started = time.perf_counter()
+            try:
+                await asyncio.wait_for(P2P.send_raw_data(chunk, writer), left_s)
+            except asyncio.TimeoutError:
+                raise _TooSlow(
+                    f"{offset} of {len(view)} bytes taken in {sending_s + left_s:.1f} s, under "
+                    f"{self._min_upload_bytes_s} bytes/s or {CHUNK_SEND_TIMEOUT_S} s for a frame"
+                ) from None
+            sending_s += time.perf_counter() - started
+        return len(view)
+
+    async def _read(self, requester: str, reader: asyncio.StreamReader) -> Request:
+        """Read and parse the request, and check the requester against `allow`; raises Refusal.
+        Nothing here holds an upload slot."""
         raw = await asyncio.wait_for(
             _read_request(reader, self.max_request_bytes, self.max_discard_bytes),
             REQUEST_TIMEOUT_S,
         )
         request = parse_request(raw)
-        if busy:
-            raise Refusal(
-                RefusalCode.BUSY, f"busy: {self._max_uploads} downloads in progress, try later"
-            )
         try:
             allowed = bool(self._allow(requester))
         except Exception as e:  # a broken allow() refuses rather than serving by accident
@@ -220,6 +280,10 @@ class StateServer(HandlerServer):
                 RefusalCode.NOT_ALLOWED,
                 "not allowed: this swarm does not serve its state to this peer",
             )
+        return request
+
+    def _answer(self, request: Request) -> _Answer:
+        """What to send for a valid request of an allowed requester, or raises Refusal."""
         if isinstance(request, UpdateRequest):
             return self._update(request.base_version)
         blob = self._blob()

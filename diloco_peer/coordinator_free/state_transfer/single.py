@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from hivemind.p2p import PeerID
 
 from diloco_peer.coordinator_free.state_transfer.transfer import (
+    STALL_TIMEOUT_S,
     Progress,
     check_download,
     check_range_args,
+    check_stall,
     failed,
     run_bounded,
     transfer,
@@ -43,11 +45,14 @@ def download_state(
     *,
     timeout_s: float,
     max_bytes: int = 2**31,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> StateBlob:
     """Download `peer_id`'s current state for `run`; blocks the calling thread (not the loop's).
 
-    The whole transfer (connecting included) is bounded by `timeout_s`. Returns the blob with the
+    The whole transfer (connecting included) is bounded by `timeout_s`; a donor that sends
+    nothing for `stall_timeout_s` (or takes longer for a frame) fails it sooner, as STALLED, and
+    one that announces more than `max_bytes` is refused before its data is read. Returns the blob with the
     donor's *claimed* version and hash: load `data` with safetensors and recompute the hash before
     trusting any of it (package docstring). `on_progress(received_bytes, total_bytes)` is called
     in the loop thread after each chunk (progress bars; keep it cheap).
@@ -55,13 +60,14 @@ def download_state(
     ValueError on bad arguments.
     """
     check_download(run, timeout_s, max_bytes)
+    check_stall(stall_timeout_s)
     header, data = fetch(
         service,
         run,
         peer_id,
         StateRequest().encode(),
         "state",
-        timeout_s,
+        (timeout_s, stall_timeout_s),
         max_bytes,
         Progress(on_progress),
     )
@@ -91,6 +97,7 @@ def download_range(
     *,
     timeout_s: float,
     max_bytes: int = 2**31,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
 ) -> StateRange:
     """Download bytes [offset, offset + length) of the state `donor` serves for `run`, provided
     the donor still serves the state `state_hash` names (the bytes never mix two states); blocks
@@ -101,6 +108,7 @@ def download_range(
     offset past the end, and those of `download_state`. ValueError on bad arguments.
     """
     check_download(run, timeout_s, max_bytes)
+    check_stall(stall_timeout_s)
     check_range_args(state_hash, offset, length)
     request = RangeRequest(state_hash, offset, length)
     header, data = fetch(
@@ -109,7 +117,7 @@ def download_range(
         donor,
         request.encode(),
         f"bytes {offset}+{length}",
-        timeout_s,
+        (timeout_s, stall_timeout_s),
         max_bytes,
         Progress(None),
         span=request.span,
@@ -126,6 +134,7 @@ def download_update(
     *,
     timeout_s: float,
     max_bytes: int = 2**31,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
 ) -> bytes:
     """Download the update from `base_version` to `base_version + 1` that `donor` keeps for
     `run`; blocks the calling thread (not the loop's), at most `timeout_s` in all.
@@ -136,6 +145,7 @@ def download_update(
     not allowed, busy, too large, timed out, broken stream), ValueError on bad arguments.
     """
     check_download(run, timeout_s, max_bytes)
+    check_stall(stall_timeout_s)
     if isinstance(base_version, bool) or not isinstance(base_version, int):
         raise ValueError(f"base_version must be an int, got {base_version!r}")
     if not 0 <= base_version < MAX_VERSION:
@@ -146,7 +156,7 @@ def download_update(
         donor,
         UpdateRequest(base_version).encode(),
         f"update {base_version}",
-        timeout_s,
+        (timeout_s, stall_timeout_s),
         max_bytes,
         Progress(None),
     )
@@ -165,15 +175,16 @@ def fetch(
     peer_id: str,
     request: bytes,
     what: str,
-    timeout_s: float,
+    bounds_s: tuple[float, float],
     max_bytes: int,
     progress: Progress,
     *,
     span: tuple[int, int] | None = None,
     state_hash: str | None = None,
 ) -> tuple[Header, bytes]:
-    """One download of `what` (for messages): the answer's header and the data (`span`: the
-    [offset, offset + length) asked for; `state_hash`: what the answer must name)."""
+    """One download of `what` (for messages): the answer's header and the data (`bounds_s`:
+    the whole download's timeout and its stall timeout; `span`: the [offset, offset + length)
+    asked for; `state_hash`: what the answer must name)."""
     try:
         donor = PeerID.from_base58(peer_id)
     except (ValueError, TypeError) as e:  # ids come from DHT records: a network input
@@ -187,9 +198,14 @@ def fetch(
             f"{tag} cannot download from myself", kind=TransferFailure.BAD_DONOR
         )
     started = time.perf_counter()
+    timeout_s, stall_timeout_s = bounds_s
+    work = transfer(
+        service.p2p, handler_name(run), donor, request, max_bytes, progress,
+        span=span, stall_timeout_s=stall_timeout_s,
+    )  # fmt: skip
     header, data = run_bounded(
         service,
-        transfer(service.p2p, handler_name(run), donor, request, max_bytes, progress, span=span),
+        work,
         timeout_s,
         progress.describe,
         tag,

@@ -40,6 +40,13 @@ CALL_SLACK_S = 5.0
 """Backstop on top of a download's own timeout, for the calling thread's wait on the loop."""
 CANCEL_GRACE_S = 1.0
 """How long a download that timed out gets to end its streams before the caller is answered."""
+STALL_TIMEOUT_S = 15.0
+"""How long one download's stream may receive nothing (no header, no data) before it fails: a
+donor that stops sending is given up long before the download's own timeout (a single-donor
+download then tries the next donor; a multi-donor one re-queues the range). A frame may also
+take this long: a donor under ~70 kB/s (1 MiB in 15 s) fails, as its server drops a requester
+under 64 KiB/s (server.MIN_UPLOAD_BYTES_S). The multi-donor end game takes a range again much
+sooner (endgame.py)."""
 PIECE_BYTES = 64 << 10
 """The most a data read takes off the stream at once: how finely a download sees its progress
 (and a multi-donor download compares two copies of a range, or cancels one)."""
@@ -75,6 +82,14 @@ def check_download(run: str, timeout_s: float, max_bytes: int) -> None:
         raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s!r}")
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise ValueError(f"max_bytes must be an integer >= 0, got {max_bytes!r}")
+
+
+def check_stall(stall_timeout_s: float) -> None:
+    """ValueError unless `stall_timeout_s` is a usable bound."""
+    if isinstance(stall_timeout_s, bool) or not isinstance(stall_timeout_s, (int, float)):
+        raise ValueError(f"stall_timeout_s must be a number, got {stall_timeout_s!r}")
+    if not (math.isfinite(stall_timeout_s) and stall_timeout_s > 0):
+        raise ValueError(f"stall_timeout_s must be finite and > 0, got {stall_timeout_s!r}")
 
 
 def check_range_args(state_hash: str, offset: int, length: int) -> None:
