@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco_peer.averaging.contribution import (
+    SAMPLES_BOUND_PHASES,
     SAMPLES_WEIGHT_CAP,
     ContributionHeader,
     ContributionRejected,
@@ -20,10 +21,12 @@ from diloco_peer.averaging.contribution import (
     delta_digest,
     group_weights,
     new_nonce,
+    samples_bound,
     screen_group,
     shapes_digest,
 )
 from diloco_peer.averaging.marks import BanList, Silence
+from diloco_peer.config import RunSpec, SwarmSettings
 from diloco_peer.identity import Identity
 
 KEYS = [Identity.generate() for _ in range(5)]
@@ -163,7 +166,7 @@ def test_weights_come_from_the_signed_headers_and_samples_are_capped() -> None:
     """Issue 16, item 2: a weight is no free number. uniform: 1 each; samples: the declared
     samples, at most SAMPLES_WEIGHT_CAP x the group's median."""
     honest = [header(k, samples=400) for k in KEYS[:3]]
-    greedy = header(KEYS[3], samples=10**12)
+    greedy = header(KEYS[3], samples=10**12, shards={0: 10**12})  # within a bound of 0 (none)
     data = gathered(*honest, greedy)
     uniform = screen_group(data, ROUND)
     assert uniform.weights == {h.peer: 1.0 for h in [*honest, greedy]}
@@ -174,6 +177,22 @@ def test_weights_come_from_the_signed_headers_and_samples_are_capped() -> None:
     assert weights == {"a": 1.0}  # positive, always
     mixed = {f"p{i}": header(KEYS[0], samples=n) for i, n in enumerate([100, 300, 500])}
     assert group_weights(mixed, "samples") == {"p0": 100.0, "p1": 300.0, "p2": 500.0}
+
+
+def test_samples_must_add_up_and_fit_what_one_delta_can_hold() -> None:
+    """Shard counters of 1e15 (issue 16): a header's samples are the sum of its shards and at
+    most `samples_bound` (batch x H x phases x staleness); either lie is signed: a ban."""
+    bound = samples_bound(RunSpec(batch_size=8, inner_steps=50), SwarmSettings(staleness_limit=2))
+    assert bound == 8 * 50 * SAMPLES_BOUND_PHASES * 3
+    rnd = dataclasses.replace(ROUND, max_samples=bound)
+    honest = [header(k) for k in KEYS[:2]]
+    padded = header(KEYS[2], samples=400, shards={0: 10**15})
+    huge = header(KEYS[3], samples=10**15, shards={0: 10**15})
+    screening = screen_group(gathered(*honest, padded, huge), rnd)
+    assert set(screening.accepted) == {h.peer for h in honest}
+    assert "sum of its shards" in screening.excluded[padded.peer]
+    assert "more than one δ can hold" in screening.excluded[huge.peer]
+    assert {padded.peer, huge.peer} <= set(screening.banned)
 
 
 def test_silence_marks_hold_then_expire_and_repeats_hold_longer() -> None:

@@ -99,8 +99,7 @@ MEMBER = Identity.generate()
 
 
 def certifier(replica: Replica) -> Certifier:
-    return Certifier(lambda: None, MEMBER, "t", SWARM, allow=lambda peer: True,
-                     recent_norms=replica.recent_norms)  # fmt: skip
+    return Certifier(lambda: None, Guard(MEMBER, "t", SWARM), recent_norms=replica.recent_norms)
 
 
 def commit_twice(replica: Replica, run: RunSpec, seals: dict[int, dict[str, bytes]]) -> None:

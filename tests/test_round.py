@@ -139,8 +139,7 @@ def test_alone_in_the_swarm_a_peer_applies_its_own_delta() -> None:
     assert replica.published_hash == replica.state.hash() and heads.published == [False]
     # its update carries its own signed header, and its seal makes a certificate that verifies
     (record,) = heads.sealed
-    check = Certifier(lambda: None, ME, "run1", part.swarm, allow=lambda p: True,
-                      recent_norms=lambda: [])  # fmt: skip
+    check = Certifier(lambda: None, part.guard, recent_norms=lambda: [])
     statement = check.check(record, {ME.peer_id_str: check.seal_bytes(record)})
     assert (
         statement.members == (ME.peer_id_str,) and statement.result_hash == replica.published_hash

@@ -12,7 +12,8 @@ rules:
   base hash, within the staleness limit, and the member is allowed (private swarms);
 - every member sealed exactly this statement (the result hash included): a donor cannot pass off
   another average for the group's, since the replayed state must hash to the result they signed;
-- the samples per shard the update adds are the sum of the headers' (no shard counter of 1e15);
+- each header's samples are the sum of its shards and within what one δ can hold, and the
+  samples per shard the update adds are the sum of the headers' (no shard counter of 1e15);
 - the average is no longer than the members' declared δs allow (root of the sum of their squared
   norms, with slack for compressed all-reduces), and no longer than `history_factor` times the
   median of the updates this peer applied recently: it is screened as a contribution is;
@@ -39,6 +40,7 @@ from diloco_peer.averaging.contribution import (
     ContributionHeader,
     ContributionRejected,
     delta_digest,
+    samples_lie,
 )
 from diloco_peer.errors import DilocoError
 from diloco_peer.identity import Identity, verify
@@ -151,6 +153,8 @@ class Rules:
     allow: Callable[[str], bool]
     recent_norms: Sequence[float] = ()
     """Norms of the last updates this peer applied (the history screen)."""
+    max_samples: int = 0
+    """The most samples one member's header may declare (`contribution.samples_bound`)."""
 
 
 def verify_update(
@@ -186,6 +190,9 @@ def verify_update(
             raise CertificateError(f"header of {member[-8:]} is staler than the limit")
         if not rules.allow(member):
             raise CertificateError(f"{member[-8:]} may not contribute to this run")
+        lie = samples_lie(header, rules.max_samples)
+        if lie is not None:
+            raise CertificateError(f"header of {member[-8:]}: {lie}")
         if not seal_verifies(seals.get(member), statement, header.public_key):
             raise CertificateError(f"no valid seal of {member[-8:]} for this update")
         parsed[member] = header

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from diloco_peer.averaging.marks import MAX_BANS_IN_HEADER
-from diloco_peer.config import Weighting
+from diloco_peer.config import RunSpec, SwarmSettings, Weighting
 from diloco_peer.errors import DilocoError, IdentityError
 from diloco_peer.identity import Identity, peer_id_from_public_key, verify
 
@@ -271,6 +271,8 @@ class Round:
     """A declared norm above norm_factor x the group's median norm is excluded (3+ members)."""
     weighting: Weighting = "uniform"
     """How the admitted members' averaging weights follow from their headers (`group_weights`)."""
+    max_samples: int = 0
+    """The most samples one δ can hold (`samples_bound`); 0: no bound (tests)."""
 
 
 @dataclass(frozen=True)
@@ -383,6 +385,27 @@ def _other_round(header: ContributionHeader, rnd: Round) -> str | None:
     return None
 
 
+SAMPLES_BOUND_PHASES = 4
+"""`samples_bound`: phases of H steps one δ may hold per version of staleness (DyLU gives the
+fastest peer H steps; a kept δ is merged with later ones until the staleness limit drops it)."""
+
+
+def samples_bound(run: RunSpec, swarm: SwarmSettings) -> int:
+    """The most samples an honest δ can declare (batch x H x phases x staleness): a header
+    claiming more is a signed lie (shard counters of 1e15 would starve every other shard)."""
+    return run.batch_size * run.inner_steps * SAMPLES_BOUND_PHASES * (swarm.staleness_limit + 1)
+
+
+def samples_lie(header: ContributionHeader, max_samples: int) -> str | None:
+    """Why `header`'s samples cannot be true, or None: they must be the sum of its shards and
+    at most `max_samples` (0: no bound)."""
+    if sum(header.shards.values()) != header.samples:
+        return f"samples {header.samples} are not the sum of its shards"
+    if max_samples and header.samples > max_samples:
+        return f"{header.samples} samples, more than one δ can hold ({max_samples})"
+    return None
+
+
 def _broken_rule(header: ContributionHeader, rnd: Round) -> str | None:
     """What an honest peer never signs for this round (its round drops a stale δ first)."""
     if header.base_version > rnd.version:
@@ -391,7 +414,7 @@ def _broken_rule(header: ContributionHeader, rnd: Round) -> str | None:
         return f"stale: base version {header.base_version}, limit {rnd.staleness_limit}"
     if header.numel != rnd.numel or header.shapes != rnd.shapes:
         return f"wrong shape ({header.numel} values)"
-    return None
+    return samples_lie(header, rnd.max_samples)
 
 
 class NonceMemory:

@@ -25,11 +25,10 @@ from diloco_peer.averaging.certificate import (
     unpack_headers,
     verify_update,
 )
-from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free import seals
 from diloco_peer.coordinator_free.update_log import UpdateRecord
 from diloco_peer.errors import SwarmTimeout
-from diloco_peer.identity import Identity
+from diloco_peer.peer.trust import Guard
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +46,13 @@ class Certifier:
     def __init__(
         self,
         dht: Callable[[], DHT | None],
-        identity: Identity,
-        run_name: str,
-        swarm: SwarmSettings,
+        guard: Guard,
         *,
-        allow: Callable[[str], bool],
         recent_norms: Callable[[], list[float]],
     ) -> None:
-        self._dht, self.identity, self.run_name, self.swarm = dht, identity, run_name, swarm
-        self.allow, self.recent_norms = allow, recent_norms
+        """`guard` gives this peer's key, run, settings, allowlist and samples bound."""
+        self._dht, self.guard, self.recent_norms = dht, guard, recent_norms
+        self.identity, self.run_name = guard.identity, guard.run_name
 
     def statement(self, record: UpdateRecord) -> Statement:
         members = tuple(sorted(unpack_headers(record.info.get("headers"))))
@@ -100,9 +97,10 @@ class Certifier:
 
     def check(self, record: UpdateRecord, found: dict[str, bytes]) -> Statement:
         """The rules of certificate.py on `record` with the seals `found` (pure)."""
+        guard = self.guard
         rules = Rules(
-            run=self.run_name, staleness_limit=self.swarm.staleness_limit, allow=self.allow,
-            recent_norms=self.recent_norms(),
+            run=self.run_name, staleness_limit=guard.swarm.staleness_limit, allow=guard.allow,
+            recent_norms=self.recent_norms(), max_samples=guard.max_samples,
         )  # fmt: skip
         return verify_update(
             base_version=record.base_version, base_hash=record.base_hash,

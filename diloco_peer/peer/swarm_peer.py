@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
+from diloco_peer.averaging.contribution import samples_bound
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
@@ -196,10 +197,10 @@ class SwarmPeer:
         self.replica = Replica(self.training.state, UpdateLog(swarm.keep_updates),
                                spec.record_updates)  # fmt: skip
         self.guard = Guard(self.identity, spec.run_name, swarm, allow=self._allowed,
-                           chaos=self.faults.chaos)  # fmt: skip
+                           chaos=self.faults.chaos, max_samples=samples_bound(run, swarm))  # fmt: skip
         self.tensorboard = TensorBoard(spec.tensorboard)
-        self.certifier = Certifier(lambda: self.node.dht if self.node else None, self.identity,
-            spec.run_name, swarm, allow=self._allowed, recent_norms=self.replica.recent_norms)  # fmt: skip
+        self.certifier = Certifier(lambda: self.node.dht if self.node else None, self.guard,
+                                   recent_norms=self.replica.recent_norms)  # fmt: skip
         facts = Facts(
             speed=lambda: trainer.speed.steps_per_s, batch_size=run.batch_size,
             client_mode=lambda: self.node is not None and self.node.client_mode,

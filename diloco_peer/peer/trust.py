@@ -64,9 +64,12 @@ class Guard:
         *,
         allow: Callable[[str], bool] = lambda peer: True,
         chaos: Chaos | None = None,
+        max_samples: int = 0,
     ) -> None:
         self.identity, self.run_name, self.swarm = identity, run_name, swarm
         self.allow = allow
+        self.max_samples = max_samples
+        """The most samples a member's header may declare (`contribution.samples_bound`)."""
         self.behaviour = chaos.behaviour() if chaos is not None else Behaviour()
         self.bans = BanList(swarm.ban_rounds)
         self.silence = Silence()
@@ -97,6 +100,7 @@ class Guard:
             run=self.run_name, key=key, version=version, state_hash=state_hash, numel=numel,
             shapes=shapes, staleness_limit=self.swarm.staleness_limit,
             norm_factor=self.swarm.norm_factor, weighting=self.swarm.weighting,
+            max_samples=self.max_samples,
         )  # fmt: skip
         replayed = self.behaviour.replayed()
         if replayed is not None:
