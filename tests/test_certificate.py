@@ -13,10 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco_peer.averaging.certificate import (
+    VOID,
     CertificateError,
     Rules,
     Statement,
+    open_seal,
     pack_headers,
+    rival_claims,
     seal,
     seal_verifies,
     unpack_headers,
@@ -146,11 +149,38 @@ def test_headers_round_trip_and_garbage_is_refused() -> None:
             unpack_headers(bad)
 
 
+def test_another_groups_claim_on_our_base_is_a_rival_one_keys_is_not() -> None:
+    """Issue 15, one version one group: the seals under a base version tell a group whether
+    another group committed on the same base. Only a claim two or more of its members sealed
+    counts; voids, garbage, seals filed under another signer and other bases do not."""
+    a, b, c = KEYS
+    ours = Statement(RUN, V, BASE, RESULT, tuple(sorted((a.peer_id_str, b.peer_id_str))))
+    theirs = Statement(RUN, V, BASE, "e" * 64, tuple(sorted((c.peer_id_str, HOSTILE.peer_id_str))))
+    lone = Statement(RUN, V, BASE, "d" * 64, (HOSTILE.peer_id_str,))
+    found = {a.peer_id_str: seal(a, ours), b.peer_id_str: seal(b, ours)}
+    assert rival_claims(found, ours) == []  # our own group
+    found[HOSTILE.peer_id_str] = seal(HOSTILE, lone)
+    assert rival_claims(found, ours) == []  # one key's word is no group's
+    found[c.peer_id_str] = seal(c, theirs)
+    found[HOSTILE.peer_id_str] = seal(HOSTILE, theirs)
+    assert rival_claims(found, ours) == [theirs]
+    # a void, or a seal filed under a signer that did not make it, is nobody's claim
+    assert rival_claims({**found, c.peer_id_str: VOID}, ours) == []
+    assert rival_claims({**found, c.peer_id_str: seal(a, theirs)}, ours) == []
+    # a claim on another base (another branch of a fork) is no rival
+    other_base = Statement(RUN, V, "9" * 64, "e" * 64, theirs.members)
+    moved = {c.peer_id_str: seal(c, other_base), HOSTILE.peer_id_str: seal(HOSTILE, other_base)}
+    assert rival_claims(moved, ours) == []
+    assert open_seal(seal(c, theirs), c.peer_id_str) == theirs
+    assert open_seal(seal(c, theirs), a.peer_id_str) is None
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(st.binary(max_size=600), st.text(max_size=600).map(str.encode)))
 def test_any_bytes_as_a_seal_are_only_refused(data: bytes) -> None:
     statement = Statement(RUN, V, BASE, RESULT, (KEYS[0].peer_id_str,))
     assert seal_verifies(data, statement, KEYS[0].public_key) is False
+    assert open_seal(data, KEYS[0].peer_id_str) is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -182,6 +212,63 @@ def test_seals_round_trip_through_a_real_dht() -> None:
         assert set(found) == {a.peer_id_str, b.peer_id_str}
         assert all(seal_verifies(found[k.peer_id_str], statement, k.public_key) for k in (a, b))
         assert seals.read_seals(second, RUN, V + 1, timeout_s=20) == {}
+        # a group that gave its version up withdraws its seal: the void replaces it
+        assert seals.publish_seal(first, a, RUN, V, VOID, expiration_s=60, timeout_s=20)
+        found = seals.read_seals(second, RUN, V, timeout_s=20)
+        assert found[a.peer_id_str] == VOID and rival_claims(found, statement) == []
     finally:
         second.shutdown()
         first.shutdown()
+
+
+def test_of_two_groups_on_one_base_the_later_sees_the_earlier_and_gives_way() -> None:
+    """The rule as peers run it (peer/certify.py `Certifier`), over a real DHT: group A's
+    members seal and find no rival (they commit); group B's members seal after and find A's
+    claim (they give the version up, void their seals); a retry on the same base later sees A's
+    claim only, never B's withdrawn one."""
+    from hivemind.dht import DHT
+
+    from diloco_peer.config import SwarmSettings
+    from diloco_peer.coordinator_free import records
+    from diloco_peer.coordinator_free.update_log import UpdateRecord
+    from diloco_peer.peer.certify import Certifier
+    from diloco_peer.peer.trust import Guard
+
+    a1, a2, b1, b2 = KEYS[0], KEYS[1], KEYS[2], HOSTILE
+    first = DHT(start=True, record_validators=records.record_validators(a1, RUN),
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
+    nodes = [first] + [
+        DHT(start=True, record_validators=records.record_validators(k, RUN),
+            initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        for k in (a2, b1, b2)
+    ]  # fmt: skip
+    try:
+        certifiers = {
+            k.peer_id_str: Certifier(lambda n=n: n, Guard(k, RUN, SwarmSettings()),
+                                     recent_norms=lambda: [])
+            for k, n in zip((a1, a2, b1, b2), nodes, strict=True)
+        }  # fmt: skip
+
+        def record(members: tuple[Identity, ...], result: str) -> UpdateRecord:
+            headers = {k.peer_id_str: b"{}" for k in members}
+            return UpdateRecord(base_version=V, base_hash=BASE, result_hash=result, count=2,
+                                shard_samples={}, average=(torch.zeros(3),),
+                                info={"headers": pack_headers(headers)})  # fmt: skip
+
+        made_by_a, made_by_b = record((a1, a2), "1" * 64), record((b1, b2), "2" * 64)
+        for k in (a1, a2):
+            certifiers[k.peer_id_str].seal(made_by_a)
+        assert all(certifiers[k.peer_id_str].rivals(made_by_a) == [] for k in (a1, a2))
+        for k in (b1, b2):
+            certifiers[k.peer_id_str].seal(made_by_b)
+        for k in (b1, b2):
+            (rival,) = certifiers[k.peer_id_str].rivals(made_by_b)
+            assert rival.result_hash == "1" * 64
+            certifiers[k.peer_id_str].void(made_by_b)
+        retry = record((b1, b2), "3" * 64)
+        for k in (b1, b2):
+            certifiers[k.peer_id_str].seal(retry)
+        assert [r.result_hash for r in certifiers[b1.peer_id_str].rivals(retry)] == ["1" * 64]
+    finally:
+        for node in reversed(nodes):
+            node.shutdown()

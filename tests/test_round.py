@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from diloco_peer.averaging.certificate import Statement
 from diloco_peer.averaging.contribution import ContributionHeader
 from diloco_peer.averaging.group_averager import GroupResult
 from diloco_peer.averaging.marks import SILENT_HOLD_S
@@ -45,6 +46,19 @@ class FakeHeads:
         self.published: list[bool] = []
         self.sealed: list[UpdateRecord] = []
         """The updates the round sealed (stands in for Certifier.seal)."""
+        self.rival: list[Statement] = []
+        """What `rivals` answers: another group's claim on the same base, if any."""
+        self.voided: list[UpdateRecord] = []
+
+    # Certifier's part (peer/round.py `Sealer`), on the same fake
+    def seal(self, record: UpdateRecord) -> None:
+        self.sealed.append(record)
+
+    def rivals(self, record: UpdateRecord) -> list[Statement]:
+        return self.rival
+
+    def void(self, record: UpdateRecord) -> None:
+        self.voided.append(record)
 
     def view(self) -> SwarmView:
         v, h = self.replica.version, self.replica.published_hash
@@ -102,7 +116,7 @@ def make_round(
         guard=Guard(ME, "run1", swarm), averager=lambda: averager, heads=heads,  # type: ignore[arg-type]
         activity=Activity(eta=123.0), counters=Counters(), ledger=Ledger(),
         events=events, tensorboard=TensorBoard(None), catch_up=catch_up,  # type: ignore[arg-type]
-        seal=heads.sealed.append,
+        certifier=heads,  # type: ignore[arg-type]
     )  # fmt: skip
     return part, replica, heads, events
 
@@ -214,6 +228,24 @@ def test_a_sync_group_commits_the_average_and_marks_who_it_formed_without() -> N
     assert torch.equal(replica.state.theta[0], torch.full((4,), -0.25))  # sgd, lr 1: -average
     assert part.co_planners == [OTHER]
     assert set(part.heads.book.absent) == {"Thirdpeer"}
+
+
+def test_a_group_that_sees_another_group_committed_on_its_base_gives_the_version_up() -> None:
+    """Issue 15: one version, one group. Another group's members sealed an update on our base
+    before we read the seals: our group keeps its δs for the next round (nothing applied), and
+    withdraws its own seal so that no later group takes it for a rival."""
+    others: dict[str, dict[str, Any]] = {OTHER: {}}
+    part, replica, heads, events = make_round(FakeAverager(result([ME.peer_id_str, OTHER])),
+                                              others)  # fmt: skip
+    before = replica.published_hash
+    heads.rival = [Statement("run1", 0, before, "f" * 64, ("Apeer", "Bpeer"))]
+    mine = delta()
+    outcome = part.run(mine, loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.KEPT and "committed this version first" in outcome.reason
+    assert replica.version == 0 and replica.state.hash() == before == replica.published_hash
+    assert len(heads.sealed) == 1 and heads.voided == heads.sealed
+    assert part.ledger.pending is mine and events.names() == ["round_failed"]
+    assert replica.updates.newest() is None  # nothing kept for replay
 
 
 def test_async_waits_only_for_peers_expected_soon() -> None:

@@ -43,7 +43,7 @@ from diloco_peer.averaging.contribution import (
     samples_lie,
 )
 from diloco_peer.errors import DilocoError
-from diloco_peer.identity import Identity, verify
+from diloco_peer.identity import Identity, IdentityError, peer_id_from_public_key, verify
 
 FORMAT = "diloco-peer/seal-v1"
 _SIGNING_CONTEXT = FORMAT.encode() + b"\n"
@@ -60,6 +60,16 @@ applied recently (2 x the admission bound of 4: a lone commit's δ is not averag
 HISTORY_MIN = 3
 """Updates this peer must have applied before the history screen applies (a joiner has none)."""
 _HEX = re.compile(r"[0-9a-f]{1,128}\Z")
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}\Z")
+_STATEMENT_FIELDS = {
+    "format",
+    "run",
+    "base_version",
+    "base_hash",
+    "result_hash",
+    "members",
+    "count",
+}
 
 
 class CertificateError(DilocoError):
@@ -91,34 +101,105 @@ class Statement:
 
 
 def seal(identity: Identity, statement: Statement) -> bytes:
-    """This member's seal of `statement`: the statement and its signature, as JSON bytes."""
+    """This member's seal of `statement`: the statement, its signature and the signer's public
+    key, as JSON bytes."""
     canonical = statement.canonical_bytes()
     signature = identity.sign(_SIGNING_CONTEXT + canonical)
     envelope = {
         "statement": canonical.decode("ascii"),
         "signature": base64.b64encode(signature).decode("ascii"),
+        "public_key": base64.b64encode(identity.public_key).decode("ascii"),
     }
     return json.dumps(envelope, sort_keys=True, separators=(",", ":")).encode("ascii")
 
 
-def seal_verifies(data: object, statement: Statement, public_key: bytes) -> bool:
-    """Whether `data` is a seal of exactly `statement` signed by `public_key` (any bytes)."""
+VOID = b"void"
+"""What a member stores over its seal when its group gave the version up (`rival_claims`)."""
+
+
+def _envelope(data: object) -> tuple[bytes, bytes, bytes] | None:
+    """(canonical statement, signature, public key) of a seal's bytes, or None."""
     if not isinstance(data, bytes) or len(data) > MAX_SEAL_BYTES:
-        return False
+        return None
     try:
         envelope = json.loads(data)
-        if not isinstance(envelope, dict) or set(envelope) != {"statement", "signature"}:
-            return False
-        text, signature = envelope["statement"], envelope["signature"]
-        if not isinstance(text, str) or not isinstance(signature, str):
-            return False
-        canonical = statement.canonical_bytes()
-        if text.encode("ascii") != canonical:
-            return False
-        raw = base64.b64decode(signature, validate=True)
+        if not isinstance(envelope, dict) or set(envelope) != {
+            "statement", "signature", "public_key",
+        }:  # fmt: skip
+            return None
+        fields = [envelope[k] for k in ("statement", "signature", "public_key")]
+        if not all(isinstance(f, str) for f in fields):
+            return None
+        return (
+            fields[0].encode("ascii"),
+            base64.b64decode(fields[1], validate=True),
+            base64.b64decode(fields[2], validate=True),
+        )
     except (ValueError, UnicodeError, binascii.Error, RecursionError):
+        return None
+
+
+def seal_verifies(data: object, statement: Statement, public_key: bytes) -> bool:
+    """Whether `data` is a seal of exactly `statement` signed by `public_key` (any bytes)."""
+    opened = _envelope(data)
+    if opened is None:
         return False
-    return verify(public_key, _SIGNING_CONTEXT + canonical, raw)
+    canonical, signature, key = opened
+    if canonical != statement.canonical_bytes() or key != public_key:
+        return False
+    return verify(public_key, _SIGNING_CONTEXT + canonical, signature)
+
+
+def open_seal(data: object, signer: str) -> Statement | None:
+    """The statement `signer` (a peer id) sealed in `data`, if its key is that peer's and the
+    signature verifies; None for anything else (a void, garbage, another's key)."""
+    opened = _envelope(data)
+    if opened is None:
+        return None
+    canonical, signature, key = opened
+    try:
+        if peer_id_from_public_key(key) != signer:
+            return None
+        doc = json.loads(canonical)
+    except (IdentityError, ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or set(doc) != _STATEMENT_FIELDS or doc["format"] != FORMAT:
+        return None
+    members = doc["members"]
+    if not isinstance(members, list) or not 1 <= len(members) <= MAX_MEMBERS:
+        return None
+    if not all(isinstance(m, str) and _PEER_ID.fullmatch(m) for m in members):
+        return None
+    version = doc["base_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        return None
+    hashes = (doc["base_hash"], doc["result_hash"])
+    if not isinstance(doc["run"], str) or not all(
+        isinstance(h, str) and _HEX.fullmatch(h) for h in hashes
+    ):
+        return None
+    statement = Statement(doc["run"], version, hashes[0], hashes[1], tuple(members))
+    if statement.canonical_bytes() != canonical or signer not in statement.members:
+        return None
+    return statement if verify(key, _SIGNING_CONTEXT + canonical, signature) else None
+
+
+def rival_claims(found: Mapping[str, bytes], mine: Statement) -> list[Statement]:
+    """Other groups that committed on the same base as `mine` (issue 15: two groups never form
+    under one key): statements with two or more members each of which sealed it, for this run,
+    base version and base hash, other than ours. A lone key's claim is no group's (one key's
+    word must not make a group give its version up)."""
+    signers: dict[Statement, set[str]] = {}
+    for signer, data in found.items():
+        statement = open_seal(data, signer)
+        if statement is None or statement == mine:
+            continue
+        same_base = (statement.run, statement.base_version, statement.base_hash) == (
+            mine.run, mine.base_version, mine.base_hash,
+        )  # fmt: skip
+        if same_base:
+            signers.setdefault(statement, set()).add(signer)
+    return [s for s, who in signers.items() if len(who) >= 2]
 
 
 def pack_headers(headers: Mapping[str, bytes]) -> str:

@@ -18,9 +18,11 @@ from collections.abc import Callable
 from hivemind.dht import DHT
 
 from diloco_peer.averaging.certificate import (
+    VOID,
     CertificateError,
     Rules,
     Statement,
+    rival_claims,
     seal,
     unpack_headers,
     verify_update,
@@ -61,20 +63,33 @@ class Certifier:
         )
 
     def seal(self, record: UpdateRecord) -> None:
-        """Sign the update we just committed and store the seal (a failure is logged: our
+        """Sign the update we are committing and store the seal (a failure is logged: our
         commit stands, but others cannot replay it from a certificate missing our seal)."""
+        self._store(record.base_version, self.seal_bytes(record))
+
+    def rivals(self, record: UpdateRecord) -> list[Statement]:
+        """Other groups whose members sealed another update on the same base (read after our
+        own seal is stored: of two groups, at least the later one sees the earlier)."""
+        found = self._read(record.base_version)
+        return rival_claims(found, self.statement(record))
+
+    def void(self, record: UpdateRecord) -> None:
+        """Withdraw our seal of an update our group gave up, so that later groups on the same
+        base do not take it for a rival."""
+        self._store(record.base_version, VOID)
+
+    def _store(self, base_version: int, data: bytes) -> None:
         dht = self._dht()
         if dht is None:
             return
-        data = self.seal_bytes(record)
         try:
             seals.publish_seal(
-                dht, self.identity, self.run_name, record.base_version, data,
+                dht, self.identity, self.run_name, base_version, data,
                 expiration_s=seals.SEAL_EXPIRATION_S, timeout_s=SEAL_TIMEOUT_S,
             )  # fmt: skip
         except SwarmTimeout as e:
             log.warning("[%s] seal of v%d not stored: %s", self.identity.peer_id_str[-6:],
-                        record.base_version + 1, e)  # fmt: skip
+                        base_version + 1, e)  # fmt: skip
 
     def seal_bytes(self, record: UpdateRecord) -> bytes:
         """Our seal of an update we committed."""

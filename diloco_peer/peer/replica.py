@@ -126,20 +126,34 @@ class Replica:
         shard_samples: dict[int, int],
         headers: Mapping[str, bytes],
     ) -> UpdateRecord:
-        """Apply a group's average as the next version (identical on every member), keep the
-        update for replay, with the members' signed `headers` for its certificate
-        (peer/certify.py), and publish the new snapshot."""
+        """Apply a group's average as the next version and publish it (`prepare`, `publish`)."""
+        record = self.prepare(average, members, shard_samples, headers)
+        self.publish(record)
+        return record
+
+    def prepare(
+        self,
+        average: Sequence[torch.Tensor],
+        members: Sequence[str],
+        shard_samples: dict[int, int],
+        headers: Mapping[str, bytes],
+    ) -> UpdateRecord:
+        """Apply a group's average to the state (identical on every member), not yet published:
+        the update, with the members' signed `headers` for its certificate (peer/certify.py).
+        `publish` keeps it; `restore` gives it up."""
         base_version, base_hash = self.state.version, self.published_hash
         self.state.apply(average, len(members), shard_samples)
-        record = UpdateRecord(
+        return UpdateRecord(
             base_version=base_version, base_hash=base_hash, result_hash=self.state.hash(),
             count=len(members), shard_samples=dict(shard_samples),
             average=tuple(a.to("cpu", torch.float32).contiguous() for a in average),
             info={"members": ",".join(members), "headers": pack_headers(headers)},
         )  # fmt: skip
+
+    def publish(self, record: UpdateRecord) -> None:
+        """Keep a prepared update for replay and publish the new snapshot."""
         self.keep(record)
         self.snapshot()
-        return record
 
     def apply_record(self, record: UpdateRecord) -> None:
         """Apply one replayed update; ValueError unless it gives the hash its record names."""

@@ -6,6 +6,11 @@ peers already looking for a group at our state and those whose phase ends within
 period, and with nobody to wait for applies its δ alone (a group of one, Lookahead). A failed
 group keeps δ for the next one; a δ older than the staleness limit is dropped and counted; a
 δ on the losing branch of a fork is contributed again (`Ledger.recontribute`).
+
+One version, one group: a group's members seal the update they are about to apply (its
+certificate, peer/certify.py) and read the seals under their base; a group that finds another
+group's claim gives the version up and keeps its δs (of two groups that each store, then read,
+the later one always sees the earlier: both cannot commit). Lone commits (async) take no part.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from hivemind.utils import get_dht_time
 
+from diloco_peer.averaging.certificate import Statement
 from diloco_peer.averaging.group_averager import GroupAverager, GroupResult
 from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free.update_log import UpdateRecord
@@ -93,6 +100,16 @@ class Ledger:
         return True
 
 
+class Sealer(Protocol):
+    """This peer's side of commit certificates (peer/certify.py `Certifier`)."""
+
+    def seal(self, record: UpdateRecord) -> None: ...
+
+    def rivals(self, record: UpdateRecord) -> list[Statement]: ...
+
+    def void(self, record: UpdateRecord) -> None: ...
+
+
 class Round:
     """Runs the contribution of one δ to the end: applied, kept or dropped."""
 
@@ -112,14 +129,14 @@ class Round:
         events: EventLog,
         tensorboard: TensorBoard,
         catch_up: Callable[[], bool],
-        seal: Callable[[UpdateRecord], None],
+        certifier: Sealer,
     ) -> None:
         self.me, self.swarm, self.replica, self.training = me, swarm, replica, training
         self.guard, self._averager, self.heads = guard, averager, heads
         self.activity, self.counters, self.ledger = activity, counters, ledger
         self.events, self.tensorboard, self._catch_up = events, tensorboard, catch_up
-        self._seal = seal
-        """Signs what we commit and stores the seal (peer/certify.py `Certifier.seal`)."""
+        self.certifier = certifier
+        """Seals what we commit; tells whether another group committed the same version."""
         self.co_planners: list[str] = []
         """The other members of the group committed last: they plan their next phase with us."""
         self._waited_again = False
@@ -253,11 +270,18 @@ class Round:
             headers = {self.me: self._offer(mine, announce=False)[1].gather}
         else:
             headers = self.guard.signed_headers(members)
-        record = self.replica.commit(
+        record = self.replica.prepare(
             mine.delta if result is None else result.average, members,
             mine.shard_samples if group_shards is None else group_shards, headers,
         )  # fmt: skip
-        self._seal(record)
+        self.certifier.seal(record)
+        rivals = self.certifier.rivals(record) if result is not None else []
+        if rivals:  # another group committed on our base first: one version, one group
+            self.certifier.void(record)
+            self.replica.restore()
+            size = len(rivals[0].members)
+            return self.keep(mine, f"a group of {size} committed this version first", t0)
+        self.replica.publish(record)
         self.ledger.last_own = (self.replica.version, mine)
         self.activity.idle()
         self.co_planners = [p for p in members if p != self.me]

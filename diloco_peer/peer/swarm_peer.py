@@ -223,7 +223,7 @@ class SwarmPeer:
             guard=self.guard, averager=lambda: self._network().averager, heads=self.heads,
             activity=self.activity, counters=self.counters, ledger=self.ledger,
             events=self.events, tensorboard=self.tensorboard, catch_up=self.catch_up,
-            seal=self.certifier.seal,
+            certifier=self.certifier,
         )  # fmt: skip
 
     def _probe(self, prefix: str, key_path: Path, validators: list[Any]) -> None:
