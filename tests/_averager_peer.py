@@ -26,6 +26,13 @@ recompute every member's input. `die_after_group` SIGKILLs this peer's whole pro
 acknowledgement, when it is a follower (GroupAverager's `delay_ack` fault). `withhold_parts`
 (fp32 averager only) makes this peer a member that never sends its parts (`withhold_parts`
 fault); a failed round's answer lists the members this peer waited for in vain ("silent").
+
+The "signed" averager (fp32) is a real peer's: this peer's DHT runs under an `Identity` key, its
+reducer signs receipts, and its admission takes every member's public key from the `gather`
+bytes (which carry it, hex, after the seed), so answers' receipts are checked and compared
+(averaging/receipts.py, echo.py). `equivocate` makes its reducer answer one member with other
+bytes (the `equivocate` fault). Every answer lists the proofs this peer found since the last
+command ("proofs": reducer, public key and both receipts, hex).
 """
 
 from __future__ import annotations
@@ -44,8 +51,11 @@ import torch
 from hivemind.dht import DHT
 from safetensors.torch import save_file
 
-from diloco_peer.averaging.group_averager import GroupAverager
+from diloco_peer.averaging.group_averager import Admission, GroupAverager
+from diloco_peer.averaging.matchmaking import Group
+from diloco_peer.averaging.receipts import Proof, Receipt
 from diloco_peer.errors import AllReduceFailed, LeftOut, NoGroup
+from diloco_peer.identity import Identity, peer_id_from_public_key
 from diloco_peer.p2p.service import P2PService
 
 
@@ -71,25 +81,53 @@ def kill_myself(key: str, members: list[str]) -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def run_average(averagers: dict[str, GroupAverager], cmd: dict[str, Any], out: Path) -> None:
+def admit_with_keys(group: Group) -> Admission:
+    """Every member, with the public key its gather bytes carry (if it is its peer id's)."""
+    keys = {}
+    for member, gathered in zip(group.members, group.gathered, strict=True):
+        key = bytes.fromhex(gathered.decode().split(";key=")[-1])
+        if peer_id_from_public_key(key) == member:
+            keys[member] = key
+    return Admission({m: None for m in keys}, {}, keys=keys)
+
+
+def receipt_json(receipt: Receipt) -> dict[str, Any]:
+    return {"digest": receipt.digest.hex(), "part": receipt.part,
+            "answer_hash": receipt.answer_hash.hex(), "signature": receipt.signature.hex()}  # fmt: skip
+
+
+def proof_json(proof: Proof) -> dict[str, Any]:
+    return {"reducer": proof.reducer, "public_key": proof.public_key.hex(),
+            "first": receipt_json(proof.first), "second": receipt_json(proof.second)}  # fmt: skip
+
+
+def run_average(
+    averagers: dict[str, GroupAverager], cmd: dict[str, Any], out: Path, identity: Identity,
+    proofs: list[Proof],
+) -> None:  # fmt: skip
     averager = averagers[cmd["averager"]]
     tensors = contribution(cmd["seed"], cmd["scale"], cmd["shapes"])
     started = time.perf_counter()
+    signed = cmd["averager"] == "signed"
+    gather = f"seed={cmd['seed']}" + (f";key={identity.public_key.hex()}" if signed else "")
     try:
         result = averager.average(
             cmd["key"],
             tensors,
             weight=cmd["weight"],
-            gather=f"seed={cmd['seed']}".encode(),
+            gather=gather.encode(),
             target_size=cmd["target_size"],
             matchmaking_timeout_s=cmd["matchmaking_timeout_s"],
             allreduce_timeout_s=cmd["allreduce_timeout_s"],
+            admit=admit_with_keys if signed else None,
         )
     except (NoGroup, AllReduceFailed) as e:
+        time.sleep(float(cmd.get("linger_s", 0.0)))  # let the others' echoes reach me
         emit(
             {
                 "op": "average",
                 "ok": False,
+                "proofs": [proof_json(p) for p in proofs],
                 "error": type(e).__name__,
                 "refusal": e.refusal.name if isinstance(e, LeftOut) else None,
                 "silent": list(e.silent) if isinstance(e, AllReduceFailed) else [],
@@ -99,6 +137,7 @@ def run_average(averagers: dict[str, GroupAverager], cmd: dict[str, Any], out: P
         )
         return
     elapsed_s = time.perf_counter() - started
+    time.sleep(float(cmd.get("linger_s", 0.0)))
     path = out / f"{averager.peer_id}-{cmd['averager']}-{cmd['key']}.safetensors"
     save_file({str(i): t.contiguous() for i, t in enumerate(result.average)}, str(path))
     emit(
@@ -110,7 +149,8 @@ def run_average(averagers: dict[str, GroupAverager], cmd: dict[str, Any], out: P
             "path": str(path),
             "members": result.members,
             "weights": result.weights,
-            "gathered": {k: v.decode() for k, v in result.gathered.items()},
+            "gathered": {k: v.decode().split(";")[0] for k, v in result.gathered.items()},
+            "proofs": [proof_json(p) for p in proofs],
             "group_id": result.group_id.hex(),
             "shapes": [list(t.shape) for t in result.average],
             "dtypes": sorted({str(t.dtype) for t in result.average}),
@@ -129,7 +169,13 @@ def main() -> None:
     join = json.loads(sys.stdin.readline() or "{}")
     if join.get("op") != "join":
         raise SystemExit(f"expected a join command first, got {join!r}")
-    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=join["initial_peers"])
+    identity = Identity.generate()
+    key_path = out / f"key-{os.getpid()}"
+    identity.save(key_path)
+    dht = DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=join["initial_peers"],
+        identity_path=str(key_path),
+    )  # fmt: skip
     service = P2PService(dht)
     averagers: dict[str, GroupAverager] = {}
     try:
@@ -137,6 +183,8 @@ def main() -> None:
         die = {"armed": False}
         stall = {"ack_delay_s": 0.0}
         mute = {"withhold_parts": False}
+        fork = {"equivocate": False}
+        proofs: list[Proof] = []
 
         def on_group(key: str, members: list[str]) -> None:
             if die["armed"]:
@@ -156,6 +204,10 @@ def main() -> None:
             service, "t8p", compression="int8", prune_fraction=0.5
         )
         averagers["client"] = GroupAverager(service, "tcm", client_mode=bool(join.get("client")))
+        averagers["signed"] = GroupAverager(
+            service, "tsg", sign=identity.sign, on_proof=proofs.append,
+            equivocate=lambda key: fork["equivocate"],
+        )  # fmt: skip
         for averager in averagers.values():
             averager.start()
         for averager in averagers.values():
@@ -174,7 +226,9 @@ def main() -> None:
             die["armed"] = bool(cmd.get("die_after_group", False))
             stall["ack_delay_s"] = float(cmd.get("ack_delay_s", 0.0))
             mute["withhold_parts"] = bool(cmd.get("withhold_parts", False))
-            run_average(averagers, cmd, out)
+            fork["equivocate"] = bool(cmd.get("equivocate", False))
+            proofs.clear()
+            run_average(averagers, cmd, out, identity, proofs)
     finally:
         for averager in averagers.values():
             averager.shutdown()

@@ -21,6 +21,9 @@ a hang (hypothesis' deadline bounds each example, pytest-timeout each test):
     commit.unpack_ack (a follower's ACK)            returns None
     commit.unpack_answer (a leader's commit)        LeftOut, AllReduceFailed
     identity.parse_public_key                       IdentityError
+    receipts.unpack_receipts, receipts.read_answer  AllReduceFailed (and a byte changed in a
+                                                    signed answer never verifies)
+    echo.unpack_head (a receipt echo's head)        AllReduceFailed
 
 Not fuzzed here: the request and answer headers of state_transfer.py (`StateServer._accept`,
 `_transfer`) are parsed inline in async methods on live streams, not by pure functions; the part
@@ -30,6 +33,7 @@ exchange's part header and answers (averaging/wire.py) are fuzzed in tests/test_
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 import struct
@@ -58,8 +62,17 @@ from diloco_peer.averaging.commit import (
     unpack_answer,
 )
 from diloco_peer.averaging.compression import COMPRESSIONS, decode, encoded_size
+from diloco_peer.averaging.echo import unpack_head as unpack_echo_head
 from diloco_peer.averaging.matchmaking import Group, pack_gather, unpack_gather
 from diloco_peer.averaging.outer import build_outer_optimizer
+from diloco_peer.averaging.receipts import (
+    MAX_SIGNATURE_BYTES,
+    Receipt,
+    pack_receipts,
+    read_answer,
+    seal_answer,
+    unpack_receipts,
+)
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import MAX_SAFETENSORS_HEADER_BYTES, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.allowlist import Allowlist
@@ -724,3 +737,60 @@ def test_every_refusal_code_reads_back_as_left_out() -> None:
     for code in CommitRefusal:
         with pytest.raises(LeftOut):
             unpack_answer(pack_refusal(code), _COMMIT_GROUP, _COMMIT_PEERS[0])
+
+
+# ----------------------------------------------------------------------------- reducer receipts
+
+_RECEIPT_DIGEST = b"r" * 32
+_RECEIPT_KEY = Identity.generate()
+_SIGNED_ANSWER = seal_answer(b"\x00\x00" + b"\x01" * 12, _RECEIPT_DIGEST, 1, _RECEIPT_KEY.sign)
+_RECEIPTS = pack_receipts(
+    [
+        read_answer(_SIGNED_ANSWER, _RECEIPT_DIGEST, 1, None)[0],
+        Receipt(b"x" * 32, 0, b"h" * 32, b""),
+    ]
+)
+
+
+@FUZZ
+@given(st.data(), st.integers(0, 4))
+def test_unpack_receipts_of_arbitrary_bytes(data: st.DataObject, most: int) -> None:
+    kind = data.draw(st.sampled_from(["bytes", "two", "flipped"]))
+    if kind == "flipped":
+        raw = flip(data, _RECEIPTS)
+    else:
+        raw = (b"\x02\x00" if kind == "two" else b"") + data.draw(st.binary(max_size=600))
+    receipts = outcome(lambda: unpack_receipts(raw, most), AllReduceFailed)
+    if receipts is not None:
+        assert len(receipts) <= most and pack_receipts(receipts) == raw
+        assert all(len(r.signature) <= MAX_SIGNATURE_BYTES for r in receipts)
+
+
+@FUZZ
+@given(st.data())
+def test_read_answer_of_arbitrary_bytes_verifies_only_the_reducers_own(data: st.DataObject) -> None:
+    """Any body either reads back with a receipt its reducer signed over exactly the answer
+    bytes it came with, or is refused (AllReduceFailed: a failed part); a byte changed anywhere
+    in a signed body never verifies."""
+    flipped = data.draw(st.booleans())
+    raw = flip(data, _SIGNED_ANSWER) if flipped else data.draw(st.binary(max_size=400))
+    read = outcome(lambda: read_answer(raw, _RECEIPT_DIGEST, 1, _RECEIPT_KEY.public_key),
+                   AllReduceFailed)  # fmt: skip
+    if read is not None:
+        receipt, answer = read
+        assert raw == _SIGNED_ANSWER and receipt.verifies(_RECEIPT_KEY.public_key)
+        assert receipt.answer_hash == hashlib.sha256(answer).digest()
+    unchecked = outcome(lambda: read_answer(raw, _RECEIPT_DIGEST, 1, None), AllReduceFailed)
+    assert unchecked is None or len(unchecked[0].signature) <= MAX_SIGNATURE_BYTES
+
+
+def test_a_signed_answer_reads_back() -> None:
+    receipt, _ = read_answer(_SIGNED_ANSWER, _RECEIPT_DIGEST, 1, _RECEIPT_KEY.public_key)
+    assert receipt.slot == (_RECEIPT_DIGEST, 1)
+
+
+@FUZZ
+@given(st.binary(max_size=48) | st.binary(min_size=32, max_size=32).map(lambda b: b"DLCE\x01" + b))
+def test_unpack_echo_head_of_arbitrary_bytes(data: bytes) -> None:
+    digest = outcome(lambda: unpack_echo_head(data), AllReduceFailed)
+    assert digest is None or (len(digest) == 32 and data == b"DLCE\x01" + digest)

@@ -43,11 +43,13 @@ from diloco_peer.averaging.compression import (
 from diloco_peer.averaging.group_averager import GroupAverager, flatten
 from diloco_peer.averaging.matchmaking import group_digest, pack_gather, validate_group
 from diloco_peer.averaging.partition import chunk_count, key_tag, part_sizes
+from diloco_peer.averaging.receipts import SIGNATURE_HEAD, Proof, Receipt, read_answer
 from diloco_peer.averaging.reducer import SILENCE_SHARE, PartReducer, Round, silent_members
 from diloco_peer.averaging.reference import all_reduce_in_memory
 from diloco_peer.averaging.robust import reduce_part
 from diloco_peer.averaging.wire import PART_HEADER, PROTOCOL_VERSION, pack_answer
 from diloco_peer.errors import AllReduceFailed
+from diloco_peer.identity import Identity
 
 PEER_SCRIPT = Path(__file__).with_name("_averager_peer.py")
 SHAPES = [[300_000], [17, 33], [5], [2, 3, 4]]
@@ -65,7 +67,10 @@ AVERAGERS: dict[str, tuple[Compression, float]] = {
     "int4": ("int4", 0.0),
     "int8_prune50": ("int8", 0.5),
     "client": ("none", 0.0),  # fp32; peer 2 of the trio is in client mode (reduces no part)
+    "signed": ("none", 0.0),  # fp32, signed receipts checked and compared (receipts.py)
 }
+RSA_2048_SIGNATURE = 256
+REDUCER_KEY = Identity.generate()
 CLIENTS = (2,)
 """The trio's peers whose "client" averager is in client mode."""
 
@@ -263,6 +268,7 @@ def check_traffic(
     answers: list[dict[str, Any]],
     compression: Compression,
     clients: Sequence[str] = (),
+    signature: int = 0,
 ) -> None:
     """Each member's measured bytes: near the butterfly's 2·b·n·(k−1)/k each way, exactly the
     frames (8-byte length prefix + payload) the protocol sends, and every byte sent was read.
@@ -277,8 +283,8 @@ def check_traffic(
     def part(size: int) -> int:  # sender -> reducer: header frame, then the part's frame
         return 8 + PART_HEADER.size + 8 + encoded_size(size, compression)
 
-    def answer(size: int) -> int:  # reducer -> sender: b"OK" + no exclusions + the average
-        return 8 + 2 + NO_EXCLUSIONS + encoded_size(size, compression)
+    def answer(size: int) -> int:  # reducer -> sender: b"OK" + receipt + no exclusions + average
+        return 8 + 2 + SIGNATURE_HEAD + signature + NO_EXCLUSIONS + encoded_size(size, compression)
 
     for peer, result in zip(peers, answers, strict=True):
         if peer.peer_id in clients:  # sends every part away, reads every average back
@@ -340,7 +346,8 @@ def check_round(
         num_parts=len(ordered) - len(clients),
     )
     assert torch.equal(flat, in_memory), f"{averager}: the network and in-memory bits differ"
-    check_traffic(peers, answers, compression, clients)
+    signature = RSA_2048_SIGNATURE if averager == "signed" else 0
+    check_traffic(peers, answers, compression, clients, signature)
 
 
 @pytest.fixture(scope="module")
@@ -568,6 +575,62 @@ def test_a_member_that_never_sends_its_parts_is_named_by_the_others(trio: list[P
     assert not answers[2]["ok"] and answers[2]["silent"] == [], answers[2]
 
 
+@pytest.mark.multipeer
+@pytest.mark.timeout(90)
+def test_signed_receipts_are_checked_and_compared_in_an_honest_round(trio: list[Peer]) -> None:
+    """Issue 16, item 8: with keys, every answer carries its reducer's signed receipt, and the
+    members compare them before the round returns; an honest round still gives every member the
+    in-memory all-reduce's bits, finds no proof, and costs one signature per answer on the wire."""
+    seeds, weights = [91, 92, 93], [1.0, 1.0, 1.0]
+    commands = [average_command("vsig", s, 1.0, averager="signed") for s in seeds]
+    answers = run_round(trio, commands)
+    check_round(trio, answers, seeds, weights, tolerance=1e-6, averager="signed")
+    assert all(a["proofs"] == [] for a in answers), answers
+
+
+def _receipt(doc: dict[str, Any]) -> Receipt:
+    return Receipt(bytes.fromhex(doc["digest"]), doc["part"], bytes.fromhex(doc["answer_hash"]),
+                   bytes.fromhex(doc["signature"]))  # fmt: skip
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(90)
+def test_a_reducer_that_forks_its_part_is_proven_by_the_honest_members(trio: list[Peer]) -> None:
+    """Issue 16, item 8: peer 0's reducer answers one member with other bytes (a bit of its
+    average flipped, signed anew: within every bound a member checks). The honest members
+    compare receipts before committing: neither returns an average (no divergent state), and
+    each holds a proof against peer 0, and only against it, that the test re-verifies with
+    peer 0's key alone."""
+    seeds = [94, 95, 96]
+    commands = [average_command("vfork", s, 1.0, averager="signed", linger_s=1.0) for s in seeds]
+    commands[0]["equivocate"] = True
+    answers = run_round(trio, commands)
+    culprit = trio[0].peer_id
+    for peer, answer in zip(trio[1:], answers[1:], strict=True):
+        assert not answer["ok"] and answer["error"] == "AllReduceFailed", answer
+        assert "receipts disagree" in answer["message"], answer
+        assert answer["proofs"], f"{answer}\n{peer.log_tail()}"
+        for doc in answer["proofs"]:
+            assert doc["reducer"] == culprit, doc  # 0 honest peers accused
+            proof = Proof(culprit, bytes.fromhex(doc["public_key"]), _receipt(doc["first"]),
+                          _receipt(doc["second"]))  # fmt: skip
+            assert proof.holds(), doc
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(60)
+def test_a_group_whose_only_reducer_is_one_key_does_not_form(trio: list[Peer]) -> None:
+    """Issue 16, item 8: peer 2 is in client mode; a group of peer 0 and peer 2 would have peer
+    0 as its only reducer, free to answer peer 2 anything. Both get NoGroup, neither averages."""
+    pair = [trio[0], trio[2]]
+    commands = [average_command("vsole", s, 1.0, averager="client", target_size=2,
+                                matchmaking_timeout_s=5.0) for s in (97, 98)]  # fmt: skip
+    answers = run_round(pair, commands)
+    for answer in answers:
+        assert not answer["ok"] and answer["error"] == "NoGroup", answer
+        assert "two reducers" in answer["message"], answer
+
+
 # --------------------------------------------------------------------------- unit tests
 
 
@@ -697,6 +760,7 @@ def test_reducer_checks_every_part_against_the_agreed_group() -> None:
             compression="none",
             numel=9,  # parts of 3: I reduce part 0
             timeout_s=5.0,
+            sign=REDUCER_KEY.sign,
         )
         reducer.add([rnd])
         reducer.close_key("v0")
@@ -737,9 +801,10 @@ def test_reducer_checks_every_part_against_the_agreed_group() -> None:
         )
         last = _accept(reducer, two, _part_stream(digest, 0, 3.0, [4.0] * 3))
         for_one, for_two = await asyncio.wait_for(asyncio.gather(first, last), 1.0)
-        assert for_one == for_two  # the same bytes for every member
-        assert for_one[:NO_EXCLUSIONS] == b"\x00\x00"  # the answer excludes nobody
-        average = decode(for_one[NO_EXCLUSIONS:], 3, "none")
+        assert for_one == for_two  # the same bytes, and one signed receipt, for every member
+        _, answer = read_answer(for_one, digest, 0, REDUCER_KEY.public_key)
+        assert answer[:NO_EXCLUSIONS] == b"\x00\x00"  # the answer excludes nobody
+        average = decode(answer[NO_EXCLUSIONS:], 3, "none")
         assert torch.allclose(average, torch.full((3,), 17.0 / 6))
         # each round: its accepted streams' frames, read in full; refused streams count for none
         framed_part = 8 + PART_HEADER.size + 8 + 3 * 4

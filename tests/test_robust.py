@@ -31,6 +31,7 @@ from torch import Tensor
 from diloco_peer.averaging.allreduce import PartExchange
 from diloco_peer.averaging.compression import COMPRESSIONS, Compression, round_trip
 from diloco_peer.averaging.member import AllReduceResult
+from diloco_peer.averaging.receipts import read_answer
 from diloco_peer.averaging.reducer import PartReducer, Round
 from diloco_peer.averaging.reference import all_reduce_in_memory, all_reduce_in_memory_detailed
 from diloco_peer.averaging.robust import (
@@ -580,6 +581,9 @@ def test_hostile_reducer_answers_fail_the_round(services: list[P2PService]) -> N
         (pack_answer({}, average * float("nan"), "none"), "non-finite"),
         (pack_answer({}, average * 1e3, "none"), "implausible"),
     ]
+    # each after an empty receipt (A holds no keys: unchecked), plus a broken receipt
+    answers = [(b"\x00\x00" + answer, why) for answer, why in answers]
+    answers += [(b"\xff\xff" + body, "signature of"), (b"\x00", "no receipt")]
     service_a, service_b = services[:2]
     crafted: list[bytes] = []
 
@@ -640,6 +644,7 @@ def test_reducer_excludes_an_undecodable_part_and_refuses_its_sender() -> None:
         answer = await asyncio.wait_for(deliver_bytes(reducer, rnd, ids[1], good), 2)
         with pytest.raises(AllReduceFailed, match="malformed part, excluded"):
             await asyncio.wait_for(refused, 2)
+        _, answer = read_answer(answer, rnd.digest, 0, None)  # unsigned: no receipt key here
         excluded, average = unpack_answer(answer, None, Aggregation(), "int8", members=3, numel=10)
         assert excluded == {2: Reason.MALFORMED}
         expected = reduce_part([round_trip(parts[0], "int8"), round_trip(parts[1], "int8")], [1, 1])

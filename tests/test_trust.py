@@ -11,6 +11,7 @@ import torch
 from diloco_peer.averaging.contribution import ContributionHeader
 from diloco_peer.averaging.group_averager import GroupResult
 from diloco_peer.averaging.matchmaking import Group
+from diloco_peer.averaging.receipts import Proof, Receipt, read_answer, seal_answer
 from diloco_peer.config import SwarmSettings
 from diloco_peer.errors import ConfigError
 from diloco_peer.identity import Identity
@@ -210,3 +211,37 @@ def test_a_reducer_exclusion_bans_only_what_my_own_reducer_saw() -> None:
                          {THIRD.peer_id_str: 3}), version=5)  # fmt: skip
     assert set(guard.bans.active(5)) == {OTHER.peer_id_str}
     assert set(guard.bans.active(5 + SwarmSettings().ban_rounds)) == set()
+
+
+def test_a_proven_equivocation_bans_the_reducer_once_and_nothing_less_bans_anyone() -> None:
+    """Issue 16, item 8: two receipts the reducer signed for one part of one round, with
+    different answers, ban it (at the version of this peer's last offer), once per round. A
+    proof that does not hold here (another key, one receipt not signed by it) bans nobody."""
+    digest = bytes(32)
+    honest = Guard(ME, "run1", SwarmSettings())
+    mine = offer(honest)
+    gathered = {ME.peer_id_str: mine.gather, OTHER.peer_id_str: offer(Guard(OTHER, "run1",
+                SwarmSettings())).gather}  # fmt: skip
+    admission = honest.admit(mine.round)(_group(gathered))
+    assert admission.keys == {ME.peer_id_str: ME.public_key, OTHER.peer_id_str: OTHER.public_key}
+
+    def receipt(answer: bytes, key: Identity = OTHER) -> Receipt:
+        return read_answer(seal_answer(answer, digest, 0, key.sign), digest, 0, None)[0]
+
+    first, second = receipt(b"a"), receipt(b"b")
+    for bogus in (
+        Proof(OTHER.peer_id_str, THIRD.public_key, first, second),  # not its key
+        Proof(OTHER.peer_id_str, OTHER.public_key, first, receipt(b"b", THIRD)),  # not signed
+        Proof(OTHER.peer_id_str, OTHER.public_key, first, receipt(b"a")),  # the same answer
+    ):
+        honest.convict(bogus)
+    assert honest.bans.active(3) == {}
+    proof = Proof(OTHER.peer_id_str, OTHER.public_key, first, second)
+    honest.convict(proof)
+    honest.convict(Proof(OTHER.peer_id_str, OTHER.public_key, second, first))
+    ban = honest.bans.active(3)[OTHER.peer_id_str]
+    assert "equivocated" in ban.reason and ban.since_version == 3
+    assert honest.bans.total == 1
+    assert [(p, banned) for p, _, banned in honest.drain_exclusions()] == [
+        (OTHER.peer_id_str, True)
+    ]

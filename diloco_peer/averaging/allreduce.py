@@ -52,6 +52,7 @@ from torch import Tensor
 from diloco_peer.averaging.compression import COMPRESSIONS, Compression
 from diloco_peer.averaging.member import AllReduceResult, PartSender
 from diloco_peer.averaging.partition import chunk_count, chunk_digest
+from diloco_peer.averaging.receipts import Sign
 from diloco_peer.averaging.reducer import PartReducer, Round
 from diloco_peer.averaging.robust import Aggregation, check_bounds
 from diloco_peer.errors import AllReduceFailed
@@ -75,6 +76,8 @@ class PartExchange(HandlerServer):
     daemon, same peer id). Every member of a group must use the same `compression` and
     `aggregation`: a member checks each answer against the bound of its own aggregation method.
     `allow` (a private swarm's allowlist) refuses part streams of other keys before reading them.
+    `sign` (this peer's `Identity.sign`) signs the receipt of every answer its reducer sends
+    (receipts.py); without it answers go unsigned, which members holding keys refuse.
 
         exchange = PartExchange(service, "run1", "int8")
         exchange.start()
@@ -93,13 +96,14 @@ class PartExchange(HandlerServer):
         compression: Compression,
         aggregation: Aggregation = Aggregation(),
         allow: Callable[[str], bool] = lambda peer: True,
+        sign: Sign | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         if not isinstance(aggregation, Aggregation):
             raise ValueError(f"aggregation must be an Aggregation, got {aggregation!r}")
         super().__init__(service)
-        self._compression, self._aggregation = compression, aggregation
+        self._compression, self._aggregation, self._sign = compression, aggregation, sign
         self._handler_name = f"{prefix}-part"
         self._reducer = PartReducer(allow=allow)  # strangers are refused before they are read
         self._serving: set[asyncio.Task[Any]] = set()  # loop thread only
@@ -160,14 +164,17 @@ class PartExchange(HandlerServer):
         allreduce_timeout_s: float,
         bounds: Sequence[float | None] | None = None,
         reducers: Sequence[str] | None = None,
+        keys: Sequence[bytes] | None = None,
         withhold: bool = False,
+        equivocate: bool = False,
     ) -> AllReduceResult:
         """Average `flat` (1-D fp32) with the group; the same bits on every member, or raise.
 
         `members` (sorted), `weights` and `bounds` (same order), `reducers` (the members that
         accept connections, in the same order; default all) and `digest` must be what every
         member agreed on at matchmaking; a member whose view differs sends parts no reducer
-        accepts, or checks answers differently. `bounds[i]` is member i's declared L2 norm of
+        accepts, or checks answers differently. `keys` (each reducer's public key, in part
+        order): every answer's receipt must verify under its reducer's key (receipts.py). `bounds[i]` is member i's declared L2 norm of
         its whole `flat`, or any larger number such as its δ's norm before pruning (None: not
         checked); the caller validates them (ValueError for a negative or NaN one). Raises
         AllReduceFailed if any part fails or the round outlives `allreduce_timeout_s`. The
@@ -179,6 +186,8 @@ class PartExchange(HandlerServer):
         Runs in the service's loop, once the exchange is ready. `withhold` is a test-only
         fault: this peer is in the round (its reducer takes the others' parts) but sends none
         of its own, as a member patched never to send its parts; AllReduceFailed at the timeout.
+        `equivocate` is another: my reducer answers one member (the first other, sorted) with
+        other bytes, signed, as a reducer patched to fork its part (receipts.forge_answer).
         """
         check_bounds(bounds, len(members))
         chunks = torch.tensor_split(flat, chunk_count(flat.numel()))
@@ -195,6 +204,8 @@ class PartExchange(HandlerServer):
                 aggregation=self._aggregation,
                 bounds=bounds,
                 reducers=reducers,
+                sign=self._sign,
+                equivocate=equivocate,
             )
             for c, chunk in enumerate(chunks)
         ]
@@ -209,7 +220,7 @@ class PartExchange(HandlerServer):
                     rnd.fail("withheld")
                 self._reducer.retire(rounds)
         sender = PartSender(
-            self._service.p2p, self.handler_name, self._compression, self._aggregation
+            self._service.p2p, self.handler_name, self._compression, self._aggregation, keys
         )
         try:
             return await sender.run(rounds, chunks, allreduce_timeout_s)

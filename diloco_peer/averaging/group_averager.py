@@ -45,11 +45,16 @@ from torch import Tensor
 from diloco_peer.averaging.allreduce import SETUP_TIMEOUT_S, PartExchange
 from diloco_peer.averaging.commit import COMMIT_PROTOCOL, CommitDesk, commit, commit_window_s
 from diloco_peer.averaging.compression import COMPRESSIONS, Compression, prune
+from diloco_peer.averaging.echo import ReceiptDesk
 from diloco_peer.averaging.matchmaking import GATHER_PROTOCOL, Group, form_group
+from diloco_peer.averaging.member import AllReduceResult
+from diloco_peer.averaging.partition import chunk_count
+from diloco_peer.averaging.receipts import Proof, Sign
 from diloco_peer.averaging.robust import Aggregation
 from diloco_peer.averaging.round_plan import (
     Admission,
     GroupResult,
+    RoundPlan,
     describe,
     group_result,
     plan_round,
@@ -127,10 +132,19 @@ class GroupAverager(BackgroundPart):
     :param client_mode: this peer cannot be dialed (behind a NAT or a firewall; its DHT is in
         client mode too). It joins groups that others lead, sends its parts and reads the
         averages over streams it opens itself, and reduces no part: the members that accept
-        connections share the parts. A group whose admitted members are all clients is NoGroup.
+        connections share the parts. A group with fewer than two admitted members that are not
+        clients is NoGroup (round_plan.sole_reducer).
     :param allow: called in the loop thread with a peer id: False for a key outside a private
         swarm's allowlist, whose part streams are refused unread (admission keeps it out of
         groups anyway; this keeps it from holding the reducer's waiting slots).
+    :param sign: this peer's `Identity.sign`: its reducer signs a receipt for every answer
+        (receipts.py). When an admission gives the members' keys (`Admission.keys`), every
+        answer's receipt is checked and the members compare their receipts before a round
+        returns (echo.py): a round whose receipts disagree fails.
+    :param on_proof: called in the loop thread with each proof that a reducer equivocated
+        (two contradicting receipts it signed, `receipts.Proof`), whenever this peer finds one.
+    :param equivocate: test-only fault: called in the loop thread with the round key; True
+        makes this peer's reducer answer one member with other bytes, signed (a forked part).
     """
 
     def __init__(
@@ -147,6 +161,9 @@ class GroupAverager(BackgroundPart):
         delay_ack: Callable[[str], float] | None = None,
         withhold_parts: Callable[[str], bool] | None = None,
         allow: Callable[[str], bool] = lambda peer: True,
+        sign: Sign | None = None,
+        on_proof: Callable[[Proof], None] | None = None,
+        equivocate: Callable[[str], bool] | None = None,
     ) -> None:
         if not _NAME.fullmatch(prefix):
             raise ValueError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
@@ -167,8 +184,10 @@ class GroupAverager(BackgroundPart):
         self._client_mode = bool(client_mode)
         self._delay_ack = delay_ack
         self._withhold_parts = withhold_parts
-        self._exchange = PartExchange(service, prefix, compression, self._aggregation, allow)
+        self._equivocate = equivocate
+        self._exchange = PartExchange(service, prefix, compression, self._aggregation, allow, sign)
         self._desk = CommitDesk(service, prefix)
+        self._receipts = ReceiptDesk(service, prefix, on_proof or (lambda proof: None))
         self._peer_id: str | None = None
         self._busy = threading.Lock()  # one average() at a time
         self._round: asyncio.Task[Any] | None = None  # in the loop: the running round
@@ -187,8 +206,9 @@ class GroupAverager(BackgroundPart):
 
     async def _setup(self) -> None:
         await self._exchange.ready(SETUP_TIMEOUT_S)
-        self._desk.start()  # the service's replica is up: registering takes one daemon call
-        await self._desk.ready(SETUP_TIMEOUT_S)
+        for desk in (self._desk, self._receipts):
+            desk.start()  # the service's replica is up: registering takes one daemon call
+            await desk.ready(SETUP_TIMEOUT_S)
         self._peer_id = self._service.peer_id
         logger.info("[%s] GroupAverager %s ready", self._peer_id[-6:], self._prefix)
 
@@ -203,6 +223,7 @@ class GroupAverager(BackgroundPart):
             logger.warning("GroupAverager %s: shutdown incomplete: %r", self._prefix, e)
         self._exchange.shutdown()
         self._desk.shutdown()
+        self._receipts.shutdown()
 
     async def _cancel_round(self) -> None:
         if self._round is not None:
@@ -338,17 +359,7 @@ class GroupAverager(BackgroundPart):
         except (NoGroup, AllReduceFailed):
             self._exchange.close_key(key)
             raise
-        reduced = await self._exchange.all_reduce(
-            key=key,
-            digest=plan.digest,
-            members=plan.members,
-            weights=plan.weights,
-            flat=flat,
-            allreduce_timeout_s=allreduce_timeout_s - commit_s,
-            bounds=plan.bounds,
-            reducers=plan.reducers,
-            withhold=self._withhold_parts is not None and self._withhold_parts(key),
-        )
+        reduced = await self._all_reduce(key, plan, flat, allreduce_timeout_s - commit_s)
         if reduced.excluded:
             logger.warning("%s parts refused: %s", tag, describe(reduced.excluded))
         done = time.perf_counter()
@@ -361,6 +372,39 @@ class GroupAverager(BackgroundPart):
             reduced.bytes_received,
         )
         return group_result(group, plan, reduced, shapes, formed - started, done - formed)
+
+    async def _all_reduce(
+        self, key: str, plan: RoundPlan, flat: Tensor, timeout_s: float
+    ) -> AllReduceResult:
+        """The part exchange, then (when the plan has keys) the receipt echo: the round returns
+        only if every other reducer confirmed every receipt this peer holds (echo.py)."""
+        if plan.keys is not None:
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            count = chunk_count(flat.numel()) * len(plan.reducers)
+            self._receipts.open(plan.digest, plan.members, plan.keys, count, deadline)
+        try:
+            reduced = await self._exchange.all_reduce(
+                key=key, digest=plan.digest, members=plan.members, weights=plan.weights,
+                flat=flat, allreduce_timeout_s=timeout_s, bounds=plan.bounds,
+                reducers=plan.reducers,
+                keys=None if plan.keys is None else [k for _, k in plan.keys],
+                withhold=self._withhold_parts is not None and self._withhold_parts(key),
+                equivocate=self._equivocate is not None and self._equivocate(key),
+            )  # fmt: skip
+            if plan.keys is not None:
+                self._receipts.settle(plan.digest, reduced.receipts)
+                try:
+                    await self._receipts.confirm(plan.digest, self.peer_id, reduced.receipts)
+                except AllReduceFailed as e:
+                    raise AllReduceFailed(f"[{self.peer_id[-6:]} round={key}] {e}") from None
+            return reduced
+        except BaseException as e:
+            if plan.keys is not None:
+                self._receipts.fail(plan.digest, str(e))
+            raise
+        finally:
+            if plan.keys is not None:
+                self._receipts.close(plan.digest)
 
     async def _form_group(
         self,

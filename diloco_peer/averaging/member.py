@@ -19,6 +19,7 @@ from torch import Tensor
 
 from diloco_peer.averaging.compression import CODEC_ID, Compression, decode, encode
 from diloco_peer.averaging.partition import key_tag
+from diloco_peer.averaging.receipts import Receipt, read_answer
 from diloco_peer.averaging.reducer import EXCHANGE_ERRORS, Round, short_id, silent_members
 from diloco_peer.averaging.robust import Aggregation, Reason, describe_exclusions
 from diloco_peer.averaging.wire import (
@@ -31,8 +32,8 @@ from diloco_peer.averaging.wire import (
 from diloco_peer.errors import AllReduceFailed
 from diloco_peer.p2p.streams import consume, framed_size, read_frame
 
-PartAnswer = tuple[dict[int, Reason], Tensor]
-"""A part's exclusions (member index -> reason) and its decoded average."""
+PartAnswer = tuple[dict[int, Reason], Tensor, Receipt]
+"""A part's exclusions (member index -> reason), its decoded average, its reducer's receipt."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class AllReduceResult:
     witnessed: dict[str, str] = field(default_factory=dict)
     """Member peer id -> why MY reducer left its part out (`robust.Reason.label`): what this
     peer saw itself on the member's authenticated stream, unlike the other reducers' word."""
+    receipts: tuple[Receipt, ...] = ()
+    """Every part's receipt, chunk then part order (checked when the round had keys): what
+    this member shows the other reducers (echo.py)."""
 
 
 @dataclass(frozen=True)
@@ -72,13 +76,21 @@ class PartSender:
     :param handler_name: the reducers' part handler.
     :param compression, aggregation: the group's, the same on every member: answers are
         checked against this aggregation's bound.
+    :param keys: each reducer's public key, in part order: an answer whose receipt its reducer
+        did not sign fails the round (receipts.py). None: receipts are not checked (no keys).
     """
 
     def __init__(
-        self, p2p: P2P, handler_name: str, compression: Compression, aggregation: Aggregation
+        self,
+        p2p: P2P,
+        handler_name: str,
+        compression: Compression,
+        aggregation: Aggregation,
+        keys: Sequence[bytes] | None = None,
     ) -> None:
         self._p2p, self._handler_name = p2p, handler_name
         self._compression, self._aggregation = compression, aggregation
+        self._keys = keys
 
     async def run(
         self, rounds: Sequence[Round], chunks: Sequence[Tensor], allreduce_timeout_s: float
@@ -133,16 +145,20 @@ class PartSender:
                 sends.append(_Send(rnd, j, task))
 
     def _read_answer(self, rnd: Round, j: int, body: bytes) -> PartAnswer:
-        """Part j's exclusions and decoded average, checked (wire.unpack_answer)."""
+        """Part j's exclusions, decoded average and receipt, checked (receipts.read_answer,
+        wire.unpack_answer)."""
         try:
-            return unpack_answer(
-                body,
+            key = None if self._keys is None else self._keys[j]
+            receipt, answer = read_answer(body, rnd.digest, j, key)
+            excluded, average = unpack_answer(
+                answer,
                 rnd.bounds,
                 self._aggregation,
                 self._compression,
                 members=len(rnd.members),
                 numel=rnd.sizes[j],
             )
+            return excluded, average, receipt
         except AllReduceFailed as e:
             reducer = short_id(rnd.reducers[j])
             raise AllReduceFailed(f"part {j}: reducer {reducer} answered badly: {e}") from None
@@ -239,6 +255,7 @@ def _result(
         bytes_sent=bytes_sent,
         bytes_received=bytes_received,
         excluded={members[i]: why for i, why in described.items()},
+        receipts=tuple(send.task.result()[2] for send in sends),
         accusations={
             members[i]: sum(i in claims for claims in by_reducer.values()) for i in described
         },

@@ -6,7 +6,7 @@ every member agreed on; it trusts nothing in the header it can check elsewhere: 
 libp2p-authenticated stream peer id (not a header field), and must be a member of the round named
 by the header's digest; its weight must equal the one agreed at matchmaking. Once every member's
 part is in (its own included), it screens and aggregates them (robust.py), serializes the answer
-ONCE (wire.py) and sends those same bytes to every member.
+ONCE (wire.py), signs its receipt once (receipts.py) and sends those same bytes to every member.
 
 A part that arrives whole but does not decode is excluded and its sender refused; one that never
 arrives whole (a broken stream, a timeout, a frame longer than the part's encoding, refused
@@ -35,6 +35,7 @@ from torch import Tensor
 
 from diloco_peer.averaging.compression import CODEC_ID, Compression, decode, encoded_size
 from diloco_peer.averaging.partition import MAX_CHUNKS, key_tag, part_sizes
+from diloco_peer.averaging.receipts import Sign, forge_answer, seal_answer
 from diloco_peer.averaging.robust import (
     Aggregation,
     Exclusion,
@@ -114,6 +115,8 @@ class Round:
         aggregation: Aggregation = Aggregation(),
         bounds: Sequence[float | None] | None = None,
         reducers: Sequence[str] | None = None,
+        sign: Sign | None = None,
+        equivocate: bool = False,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.key, self.digest, self.compression = key, digest, compression
@@ -127,6 +130,10 @@ class Round:
         self.my_index = self.members.index(me)
         self.my_part = self.reducers.index(me) if me in self.reducers else None
         """The part I reduce; None in client mode."""
+        self.sign = sign
+        """Signs my answer's receipt (receipts.py); None: unsigned (tests without keys)."""
+        self.victim = next((m for m in self.members if m != me), None) if equivocate else None
+        """Test-only fault: the member my reducer answers with other bytes (receipts.py)."""
         self.sizes = part_sizes(numel, len(self.reducers))
         self.started, self.timeout_s = loop.time(), timeout_s
         self.deadline = self.started + timeout_s
@@ -201,9 +208,9 @@ class Round:
         self._reduction = asyncio.ensure_future(self._reduce(received))
 
     async def _reduce(self, received: list[Tensor | Exclusion]) -> None:
-        """Screen, aggregate and serialize the answer once, for all, in a worker thread: robust
-        methods take up to ~1 s for 16 parts of 4M floats (bench/robust_aggregation.py), which
-        must not stall the loop's other streams (torch releases the GIL)."""
+        """Screen, aggregate, serialize and sign the answer once, for all, in a worker thread:
+        robust methods take up to ~1 s for 16 parts of 4M floats (bench/robust_aggregation.py),
+        which must not stall the loop's other streams (torch releases the GIL)."""
         try:
             answer, excluded = await asyncio.to_thread(
                 answer_part,
@@ -214,6 +221,7 @@ class Round:
                 self.compression,
                 self.sizes[self.part],
             )
+            answer = await asyncio.to_thread(seal_answer, answer, self.digest, self.part, self.sign)
         except AllReduceFailed as e:
             self.fail(str(e))
             return
@@ -372,6 +380,10 @@ class PartReducer:
         try:
             try:
                 response = OK + await self.reduce_part(rnd, sender, reader)
+                if sender == rnd.victim:  # a test-only fault: other bytes for this member
+                    response = OK + forge_answer(
+                        response[len(OK) :], rnd.digest, rnd.part, rnd.sign
+                    )
                 reply_timeout_s = max(rnd.remaining_s(), 1.0)
             except (AllReduceFailed, *EXCHANGE_ERRORS) as e:
                 response = _refuse(sender, e)

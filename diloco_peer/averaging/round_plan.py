@@ -18,6 +18,7 @@ from torch import Tensor
 
 from diloco_peer.averaging.matchmaking import Group
 from diloco_peer.averaging.member import AllReduceResult
+from diloco_peer.averaging.receipts import reducer_keys
 from diloco_peer.errors import AllReduceFailed, NoGroup
 
 logger = logging.getLogger(__name__)
@@ -85,13 +86,18 @@ class Admission:
     """Each admitted member's averaging weight (`contribution.group_weights`), the same on every
     honest member; the weights in the members' matchmaking envelopes are then ignored (a free
     number there steered the average: issue 16). None: the envelopes' (tests without headers)."""
+    keys: dict[str, bytes] | None = None
+    """Each admitted member's public key, from its signed header: every reducer's answers must
+    carry its signed receipt, and members compare them (receipts.py, echo.py). None: receipts
+    are neither checked nor compared (tests without headers)."""
 
 
 @dataclass(frozen=True)
 class RoundPlan:
     """Who of a formed group takes part in its all-reduce, the same on every admitted member:
     the admitted members (sorted), those of them that reduce a part (not in client mode), their
-    declared δ norms and weights, who the admission kept out and why, and the round's digest."""
+    declared δ norms and weights, who the admission kept out and why, the round's digest, and
+    (peer id, public key) of each reducer, in part order, when receipts are checked."""
 
     members: tuple[str, ...]
     reducers: tuple[str, ...]
@@ -99,14 +105,16 @@ class RoundPlan:
     weights: list[float]
     excluded: dict[str, str]
     digest: bytes
+    keys: tuple[tuple[str, bytes], ...] | None = None
 
 
 def plan_round(
     me: str, group: Group, admit: Callable[[Group], Admission] | None, tag: str
 ) -> RoundPlan:
     """Who of a committed group takes part, and the round's digest. NoGroup if nobody else
-    does, or no admitted member accepts connections; AllReduceFailed if I am kept out (the
-    caller then refuses parts under this key: `PartExchange.close_key`)."""
+    does, or fewer than two admitted members accept connections (`sole_reducer`);
+    AllReduceFailed if I am kept out, or a reducer's key is missing (the caller then refuses
+    parts under this key: `PartExchange.close_key`)."""
     admission = (
         admit(group) if admit is not None else Admission({m: None for m in group.members}, {})
     )
@@ -123,8 +131,11 @@ def plan_round(
         raise NoGroup(f"{tag} every other member was kept out: {describe(excluded)}")
     clients = {m for m, client in zip(group.members, group.clients, strict=True) if client}
     reducers = tuple(m for m in members if m not in clients)
-    if not reducers:
-        raise NoGroup(f"{tag} no admitted member accepts connections (all in client mode)")
+    if sole_reducer(reducers):
+        raise NoGroup(
+            f"{tag} {len(reducers)} of {len(members)} admitted members accept connections: "
+            "a group needs two reducers (one alone could fork its answers unseen)"
+        )
     if admission.weights is None:
         envelope = dict(zip(group.members, group.weights, strict=True))
         weights = [envelope[m] for m in members]
@@ -141,7 +152,16 @@ def plan_round(
         weights=weights,
         excluded=excluded,
         digest=hashlib.sha256(group.digest + plan.encode()).digest(),
+        keys=reducer_keys(reducers, admission.keys),
     )
+
+
+def sole_reducer(reducers: tuple[str, ...]) -> bool:
+    """A group whose reducers are fewer than two keys must not form (issue 16, item 8): with
+    one, every other member is a client that compares its receipts with nobody but that
+    reducer, which can then answer each with other bytes unseen (receipts.py, step 3). That
+    includes a group of two whose one member is in client mode, and a group of clients only."""
+    return len(set(reducers)) < 2
 
 
 def group_result(

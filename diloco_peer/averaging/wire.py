@@ -6,8 +6,10 @@ as hivemind's `P2P.send_raw_data` does (8-byte big-endian length, then the paylo
     sender  -> reducer : PART_HEADER (fixed struct, `PartHeader`)
     sender  -> reducer : the part, `numel` values encoded by compression.py's codec (fp32, fp16,
                          int8 or int4 blockwise; the header names it, every member uses the same)
-    reducer -> sender  : OK + exclusions + the averaged part (same encoding)  (`pack_answer`)
+    reducer -> sender  : OK + receipt + exclusions + the averaged part (same encoding)
                          | ERROR + utf-8 reason                              (`refusal`)
+    receipt            : u16 length, the reducer's signature over the round digest, the part
+                         and sha256(exclusions + average)  (receipts.py `seal_answer`)
     exclusions         : u16 count, then count × (u16 member index, u8 reason code), indices
                          strictly increasing (little-endian; codes: robust.Reason, 1 non-finite,
                          2 norm, 3 cosine, 4 malformed); count < number of members
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor
 
 from diloco_peer.averaging.compression import Compression, decode, encode
+from diloco_peer.averaging.receipts import MAX_SIGNATURE_BYTES, SIGNATURE_HEAD
 from diloco_peer.averaging.robust import Aggregation, Reason, average_norm_limit
 from diloco_peer.errors import AllReduceFailed
 
@@ -38,7 +41,7 @@ PART_HEADER = struct.Struct("<4sB32s8sIBdQd")
 index, codec id, weight, numel, sender's all-reduce timeout (so a reducer that has not started
 the round yet knows how long to wait)."""
 MAGIC = b"DLCP"
-PROTOCOL_VERSION = 3  # 2: answers carry exclusions; 3: chunks and client-mode members
+PROTOCOL_VERSION = 4  # 2: answers carry exclusions; 3: chunks and client-mode members; 4: receipts
 
 OK, ERROR = b"OK", b"ER"
 """The two-byte status that starts every answer."""
@@ -108,8 +111,9 @@ def answer_size(members: int, average_bytes: int) -> int:
 
 def max_response_size(members: int, part_bytes: int) -> int:
     """The longest answer frame a sender reads for a part of `part_bytes` encoded: the status,
-    then an answer (whose average is as long as the part) or a refusal's reason."""
-    return len(OK) + max(answer_size(members, part_bytes), MAX_REASON_BYTES)
+    then a receipt and an answer (whose average is as long as the part), or a refusal's reason."""
+    receipt = SIGNATURE_HEAD + MAX_SIGNATURE_BYTES
+    return len(OK) + max(receipt + answer_size(members, part_bytes), MAX_REASON_BYTES)
 
 
 def pack_answer(excluded: Mapping[int, Reason], average: Tensor, codec: Compression) -> bytes:

@@ -286,8 +286,8 @@ class Network:
             aggregation=Aggregation(method=swarm.aggregation, min_cosine=(
                 None if swarm.min_cosine <= -1 else swarm.min_cosine)),
             on_group=faults.group_hook(), tamper=guard.tamper, client_mode=node.client_mode,
-            withhold_parts=guard.withholds,
-            allow=allow,
+            withhold_parts=guard.withholds, allow=allow, sign=guard.identity.sign,
+            on_proof=guard.convict,
         )  # fmt: skip
         server = StateServer(node.service, prefix, blob, updates=updates, allow=allow)
         # joiners ask a peer that accepts connections whether they can be dialed

@@ -6,7 +6,9 @@ headers once a group forms (`averaging.contribution.screen_group`, allowlist and
 included: it also fixes every member's averaging weight from the signed headers), and bans only
 on evidence the accused signed or this peer saw itself: a header of the member's own for this
 round that breaks a rule, or a part its own reducer excluded (the member's authenticated
-stream). What a leader or another reducer could make up only excludes. Its bans, and the members
+stream), or two contradicting receipts a reducer signed (`convict`: it answered one part with
+two different byte strings, averaging/receipts.py). What a leader or another reducer could make
+up only excludes. Its bans, and the members
 it waited for in vain (`name_silent`), go into this peer's next headers; bans also into its DHT
 head, so `status` shows them.
 
@@ -36,6 +38,7 @@ from diloco_peer.averaging.contribution import (
 from diloco_peer.averaging.group_averager import Admission, GroupResult
 from diloco_peer.averaging.marks import BanList, Silence
 from diloco_peer.averaging.matchmaking import Group
+from diloco_peer.averaging.receipts import Proof
 from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.identity import Identity
@@ -79,6 +82,8 @@ class Guard:
         self.admitted_bytes: dict[str, bytes] = {}
         """... and their signed bytes, which go into the commit's certificate."""
         self._exclusions: list[tuple[str, str, bool]] = []
+        self._version = 0  # of the last offer: the version a proof found meanwhile is banned at
+        self._convicted: set[tuple[str, int]] = set()  # (peer, version): one ban per round
         self._lock = threading.Lock()  # exclusions come from the network loop and the round
 
     # ----- this peer's contribution
@@ -94,6 +99,7 @@ class Guard:
         steps: int,
         shard_samples: dict[int, int],
     ) -> Offer:
+        self._version = version
         shapes = shapes_digest(t.shape for t in delta)
         numel = sum(t.numel() for t in delta)
         rnd = Round(
@@ -145,6 +151,7 @@ class Guard:
                 {p: h.norm for p, h in screening.accepted.items()},
                 dict(screening.excluded),
                 weights=dict(screening.weights),
+                keys={p: h.public_key for p, h in screening.accepted.items()},
             )
 
         return admission
@@ -162,6 +169,19 @@ class Guard:
         for peer, reason in result.excluded.items():
             if peer in result.members and peer not in result.witnessed:
                 log.warning("not banning %s on another reducer's word: %s", peer[-8:], reason)
+
+    def convict(self, proof: Proof) -> None:
+        """GroupAverager's `on_proof` (network loop): ban a reducer proven to have answered one
+        part with two different byte strings, if the proof holds here too: its key is the
+        reducer's and both receipts verify under it (receipts.Proof.holds). Once per round."""
+        if not proof.holds():
+            log.warning("ignoring a proof against %s that does not hold", proof.reducer[-8:])
+            return
+        with self._lock:
+            if (proof.reducer, self._version) in self._convicted:
+                return
+            self._convicted.add((proof.reducer, self._version))
+        self._exclude(proof.reducer, f"equivocated: {proof.describe()}", self._version, ban=True)
 
     def name_silent(self, peers: tuple[str, ...], now: float) -> dict[str, float]:
         """Members this peer waited for in vain (`AllReduceFailed.silent`): named in its next
