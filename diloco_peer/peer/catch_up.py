@@ -181,9 +181,7 @@ class CatchUp:
         state instead (HEALED), when we keep it. On failure the replica goes back to its
         snapshot."""
         replica = self.replica
-        shapes = [tuple(t.shape) for t in replica.state.theta]
         nbytes = 0
-        replayed: list[UpdateRecord] = []
         from_parent = top == replica.version  # a fork at our version: only the parent helps
         try:
             while True:
@@ -192,25 +190,11 @@ class CatchUp:
                         replica.restore()
                         return Replay.FORK, nbytes
                     replica.load_parent()
-                forked = False
-                for base in range(replica.version, top):
-                    data = self.downloads.update(donor, base)
-                    nbytes += len(data)
-                    record = UpdateRecord.from_bytes(data, shapes=shapes)
-                    if record.base_version != base:
-                        raise ValueError(f"asked for version {base}, got {record.base_version}")
-                    if record.base_hash != replica.state.hash():
-                        if base == replica.published_version and not from_parent:
-                            forked = True
-                            break
-                        raise ValueError(f"update {base} does not extend version {base}")
-                    self.verify(record)
-                    replica.apply_record(record)
-                    replayed.append(record)
-                if not forked:
+                replayed, took = self._chain(donor, top, fork_ends=not from_parent)
+                nbytes += took
+                if replayed is not None:
                     break
-                replica.restore()
-                replayed.clear()
+                replica.restore()  # the donor's chain forks off ours at our version
                 from_parent = True
             if replica.state.hash() != want:
                 raise ValueError("replayed state does not hash to the head's hash")
@@ -221,6 +205,31 @@ class CatchUp:
         for record in replayed:
             replica.keep(record)
         return (Replay.HEALED if from_parent else Replay.DONE), nbytes
+
+    def _chain(
+        self, donor: str, top: int, *, fork_ends: bool
+    ) -> tuple[list[UpdateRecord] | None, int]:
+        """Download, verify and apply the donor's updates from the replica's version up to
+        `top`; (the records, bytes). None for the records if `fork_ends` and the first update
+        starts from another state than our published one (a fork at our version)."""
+        replica = self.replica
+        shapes = [tuple(t.shape) for t in replica.state.theta]
+        replayed: list[UpdateRecord] = []
+        nbytes = 0
+        for base in range(replica.version, top):
+            data = self.downloads.update(donor, base)
+            nbytes += len(data)
+            record = UpdateRecord.from_bytes(data, shapes=shapes)
+            if record.base_version != base:
+                raise ValueError(f"asked for version {base}, got {record.base_version}")
+            if record.base_hash != replica.state.hash():
+                if fork_ends and base == replica.published_version:
+                    return None, nbytes
+                raise ValueError(f"update {base} does not extend version {base}")
+            self.verify(record)
+            replica.apply_record(record)
+            replayed.append(record)
+        return replayed, nbytes
 
     def _has_parent(self) -> bool:
         parent = self.replica.parent
