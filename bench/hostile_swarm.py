@@ -17,6 +17,7 @@ Per run, over the honest peers:
 - `honest_banned` / `honest_excluded`: honest peers any honest peer banned / excluded;
 - `adopted_forged`: honest peers that ever held a state the attacker forged (the hashes its
   stderr names: "chaos: forged state vN HASH");
+- `crashed`: honest peers that exited with an error (an uncaught exception);
 - `rounds_failed` (the most `round_failed` events of one honest peer) and `versions_short`
   (--versions minus the lowest final version): rounds lost;
 - where it was caught: the honest peers' `excluded` reasons for the attacker, and the lines of
@@ -73,6 +74,10 @@ def _events(logs: list[Path], kind: str) -> list[dict[str, Any]]:
     return [e for log in logs for e in read_log(log) if e["event"] == kind]
 
 
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def _peer_id(log: Path) -> str | None:
     return next((e["peer"] for e in read_log(log) if e["event"] == "start"), None)
 
@@ -114,8 +119,9 @@ def run_once(
         while time.time() < deadline and any(p.poll() is None for p in honest):
             time.sleep(1.0)
         finished = all(p.poll() is not None for p in honest)
+        exit_codes = [p.returncode for p in honest]  # before close() kills what is left
     return measure(label, folder, logs, attacker, finished=finished, wall_s=time.time() - t0,
-                   versions=args.versions)  # fmt: skip
+                   versions=args.versions, exit_codes=exit_codes)  # fmt: skip
 
 
 def measure(
@@ -127,6 +133,7 @@ def measure(
     finished: bool,
     wall_s: float,
     versions: int,
+    exit_codes: list[int | None],
 ) -> dict[str, Any]:
     """What one run's logs say (see the module docstring)."""
     ids = [_peer_id(log) for log in logs]
@@ -147,8 +154,7 @@ def measure(
     if attacker_id is not None:
         tag = attacker_id[-6:]
         for log in logs:
-            err = log.with_suffix(".err")
-            text = err.read_text(errors="replace") if err.exists() else ""
+            text = _text(log.with_suffix(".err"))
             refusals += [line.split(": ", 1)[-1][:160] for line in text.splitlines()
                          if tag in line and ("replay from" in line or "state from" in line)]  # fmt: skip
     failed = [sum(1 for e in read_log(log) if e["event"] == "round_failed") for log in logs]
@@ -179,6 +185,7 @@ def measure(
         "refusals": sorted(set(refusals))[:6],
         "forged_states": sorted(forged),
         "adopted_forged": len({log for log, h in held if h in forged}),
+        "crashed": sum(1 for code in exit_codes if code not in (0, None)),
         "rounds_failed": max(failed) if failed else None,
         "versions_short": versions - min((v for v in finals if v is not None), default=0),
     }
@@ -198,22 +205,22 @@ def markdown(doc: dict[str, Any]) -> str:
         "honest peers' final ppl equals a baseline's to the last digit.",
         "",
         "| attack | finished | final versions | final ppl | vs 5-peer baseline | bit for bit "
-        "| hashes agree | honest banned | honest excluded | adopted forged state "
+        "| hashes agree | honest crashed | honest banned | honest excluded | honest that held a forged state "
         "| rounds failed (most of one peer) | versions short | attacker excluded (reasons) "
         "| refusals in honest logs | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["runs"]:
         ppl = r["final_ppl"]
-        ratio = f"{ppl / b5:.4f}" if ppl and b5 else "-"
+        ratio = f"{ppl / b5:.4g}" if ppl and b5 else "-"
         same = [
             name for name, b in (("5-peer", b5), ("6-peer", b6)) if ppl is not None and ppl == b
         ]
         lines.append(
             f"| {r['mode']} | {r['finished']} | {r['final_versions']} | "
-            f"{'-' if ppl is None else f'{ppl:.4f}'} | {ratio} | {', '.join(same) or 'no'} | "
-            f"{r['hashes_agree']} | {r['honest_banned']} | {r['honest_excluded']} | "
-            f"{r['adopted_forged']} of {len(r['forged_states'])} forged | {r['rounds_failed']} | "
+            f"{'-' if ppl is None else f'{ppl:.6g}'} | {ratio} | {', '.join(same) or 'no'} | "
+            f"{r['hashes_agree']} | {r['crashed']} | {r['honest_banned']} | {r['honest_excluded']} | "
+            f"{r['adopted_forged'] if r['forged_states'] else '-'} | {r['rounds_failed']} | "
             f"{r['versions_short']} | {'; '.join(r['attacker_excluded']) or '-'} | "
             f"{'; '.join(r['refusals']) or '-'} | {r['wall_s']} |"
         )
