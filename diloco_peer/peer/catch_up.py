@@ -199,7 +199,7 @@ class CatchUp:
             if replica.state.hash() != want:
                 raise ValueError("replayed state does not hash to the head's hash")
         except (StateTransferFailed, ValueError, ConfigError, CertificateError) as e:
-            log.info("[%s] replay from %s failed: %s", self._tag(), donor[-6:], e)
+            log.warning("[%s] replay from %s failed: %s", self._tag(), donor[-6:], e)
             replica.restore()
             return Replay.FAILED, nbytes
         for record in replayed:

@@ -17,6 +17,20 @@ Each mode is an attack the swarm must survive:
     silent       joins groups and never sends its parts (named by the members that waited for
                  it, held absent, left out of the retry: issue 16)
 
+The attacks of issue 16 (bench/hostile_swarm.py; what they do to the peer's parts: hostile.py):
+
+    hijack       after its first commit, θ = 0 and version + 50: its head names that state and
+                 its state server serves it (one key's word: never downloaded whole)
+    hijack-lone  after its first commit, a lone update of its own on top (δ x 1e6, 1e15 samples
+                 per shard), sealed and served from its update log (a replay verifies it);
+                 `hijack-lone=F`: δ x F under a header that declares the truth
+    steer        all-reduce weight 1e6 in the matchmaking envelope, δ' = 0.3 δ + noise of 2.5 |δ|
+    poison-heads heads with speed 1e300, a date of 1e12, version 2**63 - 1, and a departure at
+                 that version, in turn
+    rival-manifest  publishes a manifest of its own (defences off) under the run's name
+    flood        holds every connected peer's state upload and part slots (streams it opens
+                 and never reads or completes)
+
 A `Behaviour` is what a peer does at each point where it could cheat; the honest one changes
 nothing. `Guard` (trust.py) calls these hooks and holds no mode of its own.
 """
@@ -32,8 +46,12 @@ import torch
 from torch import Tensor
 
 from diloco_peer.averaging.contribution import ContributionHeader, shapes_digest
+from diloco_peer.coordinator_free.manifest import SignedManifest
+from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.errors import ConfigError
 from diloco_peer.identity import Identity
+from diloco_peer.p2p.service import P2PService
+from diloco_peer.peer import hostile
 
 
 class Behaviour:
@@ -65,6 +83,25 @@ class Behaviour:
     def withholds(self) -> bool:
         """Whether this peer, once in a group, keeps its parts to itself."""
         return False
+
+    def weight(self) -> float:
+        """The all-reduce weight in its matchmaking envelope (ignored by honest members)."""
+        return 1.0
+
+    def committed(self, peer: hostile.Committed) -> None:
+        """Called right after this peer committed a version (round.py)."""
+
+    def head(self, head: PeerHead) -> PeerHead:
+        """The head it publishes instead of the true one (heads.py)."""
+        return head
+
+    def manifest(self, signed: SignedManifest, identity: Identity) -> SignedManifest | None:
+        """A manifest it publishes under the run's name instead of the owner's; None: the
+        owner's, refreshed as usual (heads.py)."""
+        return None
+
+    def serve(self, service: P2PService, prefix: str) -> None:
+        """Called once its network parts serve (network.py)."""
 
 
 class SendsNaN(Behaviour):
@@ -139,6 +176,56 @@ class StaysSilent(Behaviour):
         return True
 
 
+class Hijacks(Behaviour):
+    def __init__(self) -> None:
+        self.done = False
+
+    def committed(self, peer: hostile.Committed) -> None:
+        if not self.done and peer.replica.version >= 1:
+            self.done = True
+            hostile.hijack(peer.replica)
+
+
+class HijacksLone(Behaviour):
+    def __init__(self, factor: float | None = None) -> None:
+        self.factor, self.done = factor, False
+
+    def committed(self, peer: hostile.Committed) -> None:
+        if not self.done and peer.replica.version >= 1:
+            self.done = True
+            hostile.forge_lone(peer, self.factor)
+
+
+class Steers(Behaviour):
+    def weight(self) -> float:
+        return 1e6
+
+    def sent(self, delta: list[Tensor]) -> list[Tensor]:
+        norm = math.sqrt(sum(float(t.double().square().sum()) for t in delta))
+        noise = [torch.randn_like(t) for t in delta]
+        noise_norm = math.sqrt(sum(float(t.double().square().sum()) for t in noise)) or 1.0
+        return [0.3 * t + n * (2.5 * norm / noise_norm) for t, n in zip(delta, noise, strict=True)]
+
+
+class PoisonsHeads(Behaviour):
+    def __init__(self) -> None:
+        self.beats = 0
+
+    def head(self, head: PeerHead) -> PeerHead:
+        self.beats += 1
+        return hostile.poisoned(head, self.beats - 1)
+
+
+class RivalManifest(Behaviour):
+    def manifest(self, signed: SignedManifest, identity: Identity) -> SignedManifest | None:
+        return hostile.rival_manifest(signed, identity)
+
+
+class Floods(Behaviour):
+    def serve(self, service: P2PService, prefix: str) -> None:
+        hostile.Flooder(service, prefix).start()
+
+
 _BEHAVIOURS: dict[str, type[Behaviour]] = {
     "nan": SendsNaN,
     "scale": Scales,
@@ -149,36 +236,50 @@ _BEHAVIOURS: dict[str, type[Behaviour]] = {
     "replay": Replays,
     "wrong-shape": WrongShape,
     "silent": StaysSilent,
+    "hijack": Hijacks,
+    "hijack-lone": HijacksLone,
+    "steer": Steers,
+    "poison-heads": PoisonsHeads,
+    "rival-manifest": RivalManifest,
+    "flood": Floods,
 }
+_FACTORS: dict[str, float | None] = {"scale": 1000.0, "hijack-lone": None}
+"""Modes that take `=FACTOR`, with the factor they have without one."""
 CHAOS_MODES = tuple(_BEHAVIOURS)
 
 
 @dataclass(frozen=True)
 class Chaos:
-    """A `--chaos` mode as parsed: `MODE`, or `scale=FACTOR`."""
+    """A `--chaos` mode as parsed: `MODE`, or `scale=FACTOR`, `hijack-lone=FACTOR`."""
 
     mode: str
-    factor: float = 1000.0
+    factor: float | None = 1000.0
 
     @classmethod
     def parse(cls, text: str) -> Chaos:
-        """`MODE` or `scale=FACTOR`; ConfigError otherwise."""
+        """`MODE` or `MODE=FACTOR` (modes in _FACTORS); ConfigError otherwise."""
         mode, _, value = text.partition("=")
         if mode not in CHAOS_MODES:
             raise ConfigError(f"unknown chaos mode {text!r}; choose {', '.join(CHAOS_MODES)}")
-        if mode != "scale":
+        if mode not in _FACTORS:
             if value:
                 raise ConfigError(f"chaos mode {mode} takes no value")
             return cls(mode)
+        if not value:
+            return cls(mode, _FACTORS[mode])
         try:
-            factor = float(value or 1000)
+            factor = float(value)
         except ValueError:
-            raise ConfigError(f"chaos scale needs a number, got {value!r}") from None
+            raise ConfigError(f"chaos {mode} needs a number, got {value!r}") from None
         if not math.isfinite(factor):
-            raise ConfigError("chaos scale must be finite")
+            raise ConfigError(f"chaos {mode} must be finite")
         return cls(mode, factor)
 
     def behaviour(self) -> Behaviour:
         """A fresh behaviour of this mode (it may remember what it sent)."""
         kind = _BEHAVIOURS[self.mode]
-        return Scales(self.factor) if kind is Scales else kind()
+        if kind is Scales:
+            return Scales(1000.0 if self.factor is None else self.factor)
+        if kind is HijacksLone:
+            return HijacksLone(self.factor)
+        return kind()

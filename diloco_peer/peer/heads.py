@@ -18,6 +18,7 @@ from diloco_peer.coordinator_free.rejoin import Rejoiner
 from diloco_peer.coordinator_free.swarm_view import HEAD_TTL_S, HeadBook, SwarmView
 from diloco_peer.identity import Identity
 from diloco_peer.lifecycle import ThreadPart
+from diloco_peer.peer.chaos import Behaviour
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.faults import FaultPlan
 from diloco_peer.peer.replica import Replica
@@ -105,7 +106,11 @@ class HeadChannel:
         manifest: SignedManifest | None = None,
     ) -> None:
         self._dht, self._identity, self._run = dht, identity, run_name
+        self._chaos = faults.chaos.behaviour() if faults.chaos is not None else Behaviour()
         self._manifest = None if manifest is None else ManifestKeeper(manifest, identity)
+        rival = None if manifest is None else self._chaos.manifest(manifest, identity)
+        if rival is not None:  # a hostile peer's own manifest, stored with every head
+            self._manifest = ManifestKeeper(rival, identity, refresh_s=0.0)
         self._allow, self._replica, self._counters = allow, replica, counters
         self._activity, self._facts, self._faults = activity, facts, faults
         self.me = identity.peer_id_str
@@ -114,7 +119,7 @@ class HeadChannel:
     def head(self, in_group: bool = False, leaving: bool = False) -> records.PeerHead:
         speed = self._facts.speed() or 0.0
         eta, plan = self._activity.eta, self._activity.plan
-        return records.PeerHead(
+        head = records.PeerHead(
             # A departing peer's head says "seen at time 0": readers drop it as stale at once,
             # instead of waiting HEAD_TTL_S for its record to expire.
             **({"updated": 0.0} if leaving else {}),
@@ -131,6 +136,7 @@ class HeadChannel:
             client=self._facts.client_mode(),
             **self._facts.resources(),
         )
+        return self._chaos.head(head)
 
     def publish(self, in_group: bool = False, leaving: bool = False) -> None:
         """Store this peer's head; a DHT that does not answer in time is logged, not raised."""

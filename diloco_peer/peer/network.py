@@ -297,6 +297,7 @@ class Network:
             part.start()
         for part in parts:
             part.wait_until_ready(timeout_s=READY_TIMEOUT_S)
+        guard.behaviour.serve(node.service, prefix)  # a hostile peer's flood (chaos.py)
         return cls(node, prefix, averager, server, dialback)
 
     def shutdown(self) -> None:

@@ -218,7 +218,7 @@ class Round:
             self.heads.publish(in_group=True)
         # the envelope's weight is ignored: the admission (Guard.admit) derives every member's
         # weight from its signed header, the same on every member
-        return key, offer, 1.0
+        return key, offer, self.guard.envelope_weight()
 
     def _silent(self, peers: tuple[str, ...]) -> None:
         """The members our reducer waited for in vain in a failed round: named in our next
@@ -283,6 +283,7 @@ class Round:
             return self.keep(mine, f"a group of {size} committed this version first", t0)
         self.replica.publish(record)
         self.ledger.last_own = (self.replica.version, mine)
+        self.guard.committed(self.replica, self._seal, mine.delta, mine.shard_samples, mine.steps)
         self.activity.idle()
         self.co_planners = [p for p in members if p != self.me]
         self.heads.publish()

@@ -41,8 +41,11 @@ from diloco_peer.averaging.matchmaking import Group
 from diloco_peer.averaging.receipts import Proof
 from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free.update_log import UpdateRecord
 from diloco_peer.identity import Identity
+from diloco_peer.peer import hostile
 from diloco_peer.peer.chaos import Behaviour, Chaos
+from diloco_peer.peer.replica import Replica
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +136,18 @@ class Guard:
     def withholds(self, key: str) -> bool:
         """GroupAverager's `withhold_parts` fault: a hostile peer that never sends its parts."""
         return self.behaviour.withholds()
+
+    def envelope_weight(self) -> float:
+        """The weight in this peer's matchmaking envelope: 1 (members ignore it: the admission
+        derives every weight from the signed headers); a hostile peer's claim."""
+        return self.behaviour.weight()
+
+    def committed(self, replica: Replica, seal: Callable[[UpdateRecord], None], delta: list[Tensor],
+                  shard_samples: dict[int, int], steps: int) -> None:  # fmt: skip
+        """After each commit of ours: nothing, or a hostile peer's forgery (chaos.py)."""
+        self.behaviour.committed(hostile.Committed(
+            self.identity, self.run_name, replica, seal, delta, shard_samples, steps,
+        ))  # fmt: skip
 
     # ----- the others' contributions
 
