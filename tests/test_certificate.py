@@ -141,6 +141,26 @@ def test_a_lone_commit_must_apply_exactly_the_delta_its_header_names() -> None:
         verify_update(**{**args, "average": huge, "rules": rules})
 
 
+def test_a_lone_commit_longer_than_its_steps_allow_is_refused_without_history() -> None:
+    """The hostile bench's hijack-lone=1000: a lone δ x 1000 under a truthful header, replayed
+    at version 1 where no history screens it; the run's limits do (`Limits.max_norm`)."""
+    from diloco_peer.averaging.contribution import Limits
+
+    huge = [t * 1000 for t in delta(5, scale=0.001)]
+    args = group([HOSTILE], average=huge, shard_samples={1: 40})
+    args["headers"] = {HOSTILE.peer_id_str: header(HOSTILE, huge)}
+    statement = Statement(RUN, V, BASE, RESULT, (HOSTILE.peer_id_str,))
+    args["seals"] = {HOSTILE.peer_id_str: seal(HOSTILE, statement)}
+    assert verify_update(**args).count == 1  # no limits: nothing refuses it
+    limits = Limits(max_samples=10**6, max_steps=1000, inner_lr=1e-3)  # 10 steps: <= 0.14
+    rules = dataclasses.replace(args["rules"], limits=limits)
+    with pytest.raises(CertificateError, match="steps can move"):
+        verify_update(**{**args, "rules": rules})
+    honest = delta(5, scale=0.001)
+    args["headers"] = {HOSTILE.peer_id_str: header(HOSTILE, honest)}
+    assert verify_update(**{**args, "average": honest, "rules": rules}).count == 1
+
+
 def test_headers_round_trip_and_garbage_is_refused() -> None:
     headers = group()["headers"]
     assert unpack_headers(pack_headers(headers)) == headers

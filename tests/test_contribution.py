@@ -16,6 +16,7 @@ from diloco_peer.averaging.contribution import (
     SAMPLES_WEIGHT_CAP,
     ContributionHeader,
     ContributionRejected,
+    Limits,
     NonceMemory,
     Round,
     delta_digest,
@@ -184,7 +185,7 @@ def test_samples_must_add_up_and_fit_what_one_delta_can_hold() -> None:
     most `samples_bound` (batch x H x phases x staleness); either lie is signed: a ban."""
     bound = samples_bound(RunSpec(batch_size=8, inner_steps=50), SwarmSettings(staleness_limit=2))
     assert bound == 8 * 50 * SAMPLES_BOUND_PHASES * 3
-    rnd = dataclasses.replace(ROUND, max_samples=bound)
+    rnd = dataclasses.replace(ROUND, limits=Limits(max_samples=bound))
     honest = [header(k) for k in KEYS[:2]]
     padded = header(KEYS[2], samples=400, shards={0: 10**15})
     huge = header(KEYS[3], samples=10**15, shards={0: 10**15})
@@ -193,6 +194,24 @@ def test_samples_must_add_up_and_fit_what_one_delta_can_hold() -> None:
     assert "sum of its shards" in screening.excluded[padded.peer]
     assert "more than one δ can hold" in screening.excluded[huge.peer]
     assert {padded.peer, huge.peer} <= set(screening.banned)
+
+
+def test_a_norm_beyond_what_its_steps_can_move_is_a_signed_lie() -> None:
+    """No history needed (issue 16: a lone δ x 1000, honestly declared, passed at version 1):
+    AdamW moves a value at most ADAM_STEP_MAX x lr per step, so a δ of `steps` steps over
+    `numel` values is at most ADAM_STEP_MAX x lr x steps x sqrt(numel) long."""
+    limits = Limits.of(RunSpec(inner_lr=1e-3, inner_steps=50), SwarmSettings(staleness_limit=2))
+    bound = limits.max_norm(50, 14)
+    assert bound == pytest.approx(4.0 * 1e-3 * 50 * 14**0.5)
+    rnd = dataclasses.replace(ROUND, limits=limits)
+    honest = [header(k, norm=0.1 * bound) for k in KEYS[:2]]
+    long = header(KEYS[2], norm=1.01 * bound)
+    busy = header(KEYS[3], steps=limits.max_steps + 1, norm=0.1 * bound)
+    screening = screen_group(gathered(*honest, long, busy), rnd)
+    assert set(screening.accepted) == {h.peer for h in honest}
+    assert "steps can move" in screening.excluded[long.peer]
+    assert "more than one δ can hold" in screening.excluded[busy.peer]
+    assert {long.peer, busy.peer} <= set(screening.banned)
 
 
 def test_silence_marks_hold_then_expire_and_repeats_hold_longer() -> None:

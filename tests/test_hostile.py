@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diloco_peer.averaging.certificate import CertificateError
+from diloco_peer.averaging.contribution import Limits
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import RunSpec, SwarmSettings
@@ -84,7 +85,7 @@ def test_a_hijacked_state_is_one_keys_word_and_never_followed() -> None:
 
 
 def _lone(factor: float | None) -> tuple[UpdateRecord, dict[str, bytes], Certifier]:
-    guard = Guard(ATTACKER, "run1", SwarmSettings(), max_samples=10**6)
+    guard = Guard(ATTACKER, "run1", SwarmSettings(), limits=Limits(max_samples=10**6))
     certifier = Certifier(lambda: None, guard, recent_norms=lambda: [])
     seals: dict[str, bytes] = {}
 
@@ -115,7 +116,7 @@ def test_a_lone_update_of_1000_deltas_fails_the_history_screen() -> None:
     docs/results.md, bench/hostile_swarm.py)."""
     record, seals, _ = _lone(1000.0)
     norm = math.sqrt(sum(float(t.double().square().sum()) for t in record.average))
-    guard = Guard(ME, "run1", SwarmSettings(), max_samples=10**6)
+    guard = Guard(ME, "run1", SwarmSettings(), limits=Limits(max_samples=10**6))
     screened = Certifier(lambda: None, guard, recent_norms=lambda: [norm / 1000] * 3)
     with pytest.raises(CertificateError, match="recent updates"):
         screened.check(record, seals)

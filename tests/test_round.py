@@ -141,6 +141,17 @@ def test_a_delta_older_than_the_staleness_limit_is_dropped_and_counted() -> None
     assert part.activity.eta is None and part.ledger.pending is None
 
 
+def test_a_delta_that_is_not_finite_is_dropped_not_signed() -> None:
+    """A diverged δ (NaN or inf) cannot be signed (the header's norm must be finite): it is
+    dropped and counted instead of ending the peer (the hostile bench's hijack-lone=1000 left
+    every honest peer crashing on one)."""
+    part, replica, _, events = make_round(FakeAverager(AssertionError("not asked")), {})
+    bad = Contribution([torch.tensor([1.0, float("nan"), 0.0, 0.0])], 0, {1: 40}, 10)
+    outcome = part.run(bad, loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.DROPPED and replica.version == 0
+    assert events.emitted[-1][1]["reason"] == "not finite" and part.counters.dropped == 1
+
+
 def test_alone_in_the_swarm_a_peer_applies_its_own_delta() -> None:
     part, replica, heads, events = make_round(FakeAverager(AssertionError("not asked")), {})
     mine = delta()

@@ -53,14 +53,29 @@ def test_heads_older_than_the_ttl_are_not_live() -> None:
     assert set(book.live(NOW)) == {A}
 
 
-def test_a_departure_wins_at_once_and_records_its_version() -> None:
+def test_a_departure_wins_at_once_and_a_quorum_of_them_ends_the_run() -> None:
     book = HeadBook(ME, ttl_s=60)
-    book.merge({A: head(A, 6, updated=NOW), B: head(B, 2, updated=NOW)}, NOW)
+    book.merge({A: head(A, 6, updated=NOW), B: head(B, 6, updated=NOW)}, NOW)
     book.merge({A: head(A, 7, updated=0.0)}, NOW)  # A leaves at version 7
-    assert A not in book.live(NOW)
-    assert book.departed_version == 7
-    book.merge({B: head(B, 2, updated=0.0), ME: head(ME, 9, updated=0.0)}, NOW)
-    assert book.departed_version == 7  # a lower departure, and our own, change nothing
+    assert A not in book.live(NOW) and book.departures == {A: 7}
+    assert book.departed_version == -1  # one of two peers: its word alone ends nothing
+    book.merge({B: head(B, 7, updated=0.0), ME: head(ME, 9, updated=0.0)}, NOW)
+    assert book.departed_version == 7  # both left at 7; our own departure changes nothing
+    pair = HeadBook(ME, ttl_s=60)  # with one other peer, its word is all there is
+    pair.merge({A: head(A, 6, updated=NOW)}, NOW)
+    pair.merge({A: head(A, 7, updated=0.0)}, NOW)
+    assert pair.departed_version == 7
+
+
+def test_one_keys_departure_after_a_forged_head_ends_nobodys_run() -> None:
+    """The hostile bench's hijack-leave and poison-heads: a head at v51 (or 2^63 - 1), then a
+    departure there, stopped every honest peer at version 1. Now one key is no quorum."""
+    book = HeadBook(ME, ttl_s=60)
+    book.merge({A: head(A, 3), B: head(B, 3), C: head(C, 51)}, NOW)
+    book.merge({C: head(C, 2**63 - 1, updated=0.0)}, NOW + 1)
+    assert book.departed_version == -1
+    book.merge({A: head(A, 4, updated=0.0)}, NOW + 2)  # an honest peer reached the end
+    assert book.departed_version == 4  # two peers left at 4 or later
 
 
 def test_an_absent_peer_is_ignored_until_it_publishes_a_newer_head() -> None:
@@ -112,7 +127,7 @@ def test_the_book_forgets_heads_two_ttls_old_and_their_absence_marks() -> None:
     book.forget(NOW)
     assert set(book.seen) == {ME, A}  # ours stays; C left (its version is remembered)
     # marks go with their head, or when as old as a forgotten head
-    assert book.absent == {A: NOW - 100, B: NOW - 100} and book.departed_version == 4
+    assert book.absent == {A: NOW - 100, B: NOW - 100} and book.departures == {C: 4}
     book.forget(NOW + 21)
     assert set(book.seen) == {ME} and book.absent == {}
     for i in range(1000):  # keys that publish once do not grow the book

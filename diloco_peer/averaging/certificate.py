@@ -3,7 +3,7 @@ the members who made it signed it.
 
 A member that applies a group's average (or its own δ, alone) signs a `Statement`: run, base
 version v, base hash, result hash, the sorted members whose δs are in the average, their count.
-That `seal` goes to the DHT (`records.publish_seal`); the update record it kept for replay
+That `seal` goes to the DHT (`coordinator_free/seals.py`); the update record it kept for replay
 carries the members' signed contribution headers. A peer replaying version v+1 from any donor
 verifies the whole (`verify_update`), a pure function of the record, the seals and this run's
 rules:
@@ -39,8 +39,9 @@ from torch import Tensor
 from diloco_peer.averaging.contribution import (
     ContributionHeader,
     ContributionRejected,
+    Limits,
+    claim_lie,
     delta_digest,
-    samples_lie,
 )
 from diloco_peer.errors import DilocoError
 from diloco_peer.identity import Identity, IdentityError, peer_id_from_public_key, verify
@@ -234,8 +235,8 @@ class Rules:
     allow: Callable[[str], bool]
     recent_norms: Sequence[float] = ()
     """Norms of the last updates this peer applied (the history screen)."""
-    max_samples: int = 0
-    """The most samples one member's header may declare (`contribution.samples_bound`)."""
+    limits: Limits = Limits()
+    """What one member's header may claim (`contribution.Limits`)."""
 
 
 def verify_update(
@@ -271,7 +272,7 @@ def verify_update(
             raise CertificateError(f"header of {member[-8:]} is staler than the limit")
         if not rules.allow(member):
             raise CertificateError(f"{member[-8:]} may not contribute to this run")
-        lie = samples_lie(header, rules.max_samples)
+        lie = claim_lie(header, rules.limits)
         if lie is not None:
             raise CertificateError(f"header of {member[-8:]}: {lie}")
         if not seal_verifies(seals.get(member), statement, header.public_key):

@@ -256,6 +256,59 @@ the median), and a peer twice as fast as the median losing some weight costs les
 gaining it."""
 
 
+SAMPLES_BOUND_PHASES = 4
+"""`Limits`: phases of H steps one δ may hold per version of staleness (DyLU gives the fastest
+peer H steps; a kept δ is merged with later ones until the staleness limit drops it)."""
+ADAM_STEP_MAX = 4.0
+"""`Limits.max_norm`: the most one AdamW step moves one value, in units of the learning rate
+(the bias-corrected |m / sqrt(v)| stays below (1 - b1) / sqrt(1 - b2) = 3.2 for the defaults,
+plus weight decay's lr x wd x |theta|)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one honest δ can hold, from the run's hyper-parameters (DESIGN §4: a claim past
+    these is a signed lie). Zeros: no bound (tests)."""
+
+    max_samples: int = 0
+    max_steps: int = 0
+    inner_lr: float = 0.0
+
+    @classmethod
+    def of(cls, run: RunSpec, swarm: SwarmSettings) -> Limits:
+        phases = SAMPLES_BOUND_PHASES * (swarm.staleness_limit + 1)
+        steps = run.inner_steps * phases
+        return cls(steps * run.batch_size, steps, run.inner_lr)
+
+    def max_norm(self, steps: int, numel: int) -> float:
+        """The longest δ `steps` AdamW steps can make over `numel` values: no history needed,
+        so it holds from the first version on (issue 16: a lone δ x 1000, honestly declared,
+        was replayed by every honest peer at version 1)."""
+        if not self.inner_lr:
+            return math.inf
+        return ADAM_STEP_MAX * self.inner_lr * steps * math.sqrt(numel)
+
+
+def samples_bound(run: RunSpec, swarm: SwarmSettings) -> int:
+    """The most samples an honest δ can declare (batch x H x phases x staleness)."""
+    return Limits.of(run, swarm).max_samples
+
+
+def claim_lie(header: ContributionHeader, limits: Limits) -> str | None:
+    """Why `header`'s claims cannot be true, or None: its samples must be the sum of its shards,
+    and its samples, steps and δ norm within what one δ can hold (`Limits`)."""
+    if sum(header.shards.values()) != header.samples:
+        return f"samples {header.samples} are not the sum of its shards"
+    if limits.max_samples and header.samples > limits.max_samples:
+        return f"{header.samples} samples, more than one δ can hold ({limits.max_samples})"
+    if limits.max_steps and header.steps > limits.max_steps:
+        return f"{header.steps} steps, more than one δ can hold ({limits.max_steps})"
+    bound = limits.max_norm(max(header.steps, 1), header.numel)
+    if header.norm > bound:
+        return f"norm {header.norm:.4g}, more than {header.steps} steps can move ({bound:.4g})"
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Round:
     """What every member of a group knows about the round, independent of the gathered bytes."""
@@ -271,8 +324,8 @@ class Round:
     """A declared norm above norm_factor x the group's median norm is excluded (3+ members)."""
     weighting: Weighting = "uniform"
     """How the admitted members' averaging weights follow from their headers (`group_weights`)."""
-    max_samples: int = 0
-    """The most samples one δ can hold (`samples_bound`); 0: no bound (tests)."""
+    limits: Limits = Limits()
+    """What one δ can hold (`Limits`); the default bounds nothing (tests)."""
 
 
 @dataclass(frozen=True)
@@ -385,27 +438,6 @@ def _other_round(header: ContributionHeader, rnd: Round) -> str | None:
     return None
 
 
-SAMPLES_BOUND_PHASES = 4
-"""`samples_bound`: phases of H steps one δ may hold per version of staleness (DyLU gives the
-fastest peer H steps; a kept δ is merged with later ones until the staleness limit drops it)."""
-
-
-def samples_bound(run: RunSpec, swarm: SwarmSettings) -> int:
-    """The most samples an honest δ can declare (batch x H x phases x staleness): a header
-    claiming more is a signed lie (shard counters of 1e15 would starve every other shard)."""
-    return run.batch_size * run.inner_steps * SAMPLES_BOUND_PHASES * (swarm.staleness_limit + 1)
-
-
-def samples_lie(header: ContributionHeader, max_samples: int) -> str | None:
-    """Why `header`'s samples cannot be true, or None: they must be the sum of its shards and
-    at most `max_samples` (0: no bound)."""
-    if sum(header.shards.values()) != header.samples:
-        return f"samples {header.samples} are not the sum of its shards"
-    if max_samples and header.samples > max_samples:
-        return f"{header.samples} samples, more than one δ can hold ({max_samples})"
-    return None
-
-
 def _broken_rule(header: ContributionHeader, rnd: Round) -> str | None:
     """What an honest peer never signs for this round (its round drops a stale δ first)."""
     if header.base_version > rnd.version:
@@ -414,7 +446,7 @@ def _broken_rule(header: ContributionHeader, rnd: Round) -> str | None:
         return f"stale: base version {header.base_version}, limit {rnd.staleness_limit}"
     if header.numel != rnd.numel or header.shapes != rnd.shapes:
         return f"wrong shape ({header.numel} values)"
-    return samples_lie(header, rnd.max_samples)
+    return claim_lie(header, rnd.limits)
 
 
 class NonceMemory:

@@ -32,6 +32,8 @@ ENDORSE_QUORUM = 2
 """Distinct live peers that must hold a state before a peer downloads it whole (all live peers
 when fewer are live): one key's word never moves an honest peer's state (DESIGN §4). A sybil with
 this many keys can; docs/security.md says so."""
+MAX_DEPARTURES = 1024
+"""Departures a book remembers (the oldest go first)."""
 FORGET_AFTER_TTLS = 2.0
 """`HeadBook.forget` drops heads this many TTLs old: past one TTL a head is not live and its DHT
 record has expired, so only a new head of that peer can bring it back."""
@@ -49,7 +51,8 @@ class HeadBook:
     A head's time is the publisher's word, so liveness also needs our own clock: a head is live
     while both its date and the moment we first read it (`received`) are within the TTL; a
     head dated more than MAX_CLOCK_SKEW_S ahead of us is ignored; a departure counts for
-    `departed_version` only from a peer we saw live, at most one version past its last head.
+    `departed_version` only from a peer we saw live, at most one version past its last head,
+    and only once a quorum of such peers left.
     """
 
     def __init__(self, me: str, ttl_s: float = HEAD_TTL_S) -> None:
@@ -61,8 +64,8 @@ class HeadBook:
         self.held: dict[str, float] = {}
         """Peers absent until a time (our clock) whatever they publish: members that joined a
         group and never sent their parts (peer/round.py) keep heartbeating."""
-        self.departed_version = -1
-        """The highest version a peer we saw live announced as it left (-1: none)."""
+        self.departures: dict[str, int] = {}
+        """The version each peer we saw live left at (at most one past its last live head)."""
 
     def merge(self, heads: Mapping[str, PeerHead], now: float) -> None:
         """Add one read's heads (read at `now`, our clock): newer heads replace older ones; a
@@ -72,11 +75,23 @@ class HeadBook:
                 continue
             known = self.seen.get(peer)
             if head.updated == 0.0 and peer != self.me and known is not None and known.updated:
-                plausible = min(head.version, known.version + 1)
-                self.departed_version = max(self.departed_version, plausible)
+                self.departures[peer] = min(head.version, known.version + 1)
+                while len(self.departures) > MAX_DEPARTURES:
+                    del self.departures[next(iter(self.departures))]
             if known is None or head.updated == 0.0 or head.updated > known.updated:
                 self.seen[peer] = head
                 self.received[peer] = now
+
+    @property
+    def departed_version(self) -> int:
+        """The highest version at which `ENDORSE_QUORUM` peers we saw live left (all of them,
+        when fewer were seen); -1: none. One key's departure at version 2^63 (or after a forged
+        head at v+50) must not end everyone's run (issue 16)."""
+        live = {p for p, h in self.seen.items() if p != self.me and h.updated}
+        others = live | set(self.departures)
+        quorum = min(ENDORSE_QUORUM, len(others))
+        versions = sorted(self.departures.values(), reverse=True)
+        return versions[quorum - 1] if quorum and len(versions) >= quorum else -1
 
     def forget(self, now: float) -> None:
         """Drop the heads not refreshed for FORGET_AFTER_TTLS TTLs (departures at once), and

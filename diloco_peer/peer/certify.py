@@ -115,7 +115,7 @@ class Certifier:
         guard = self.guard
         rules = Rules(
             run=self.run_name, staleness_limit=guard.swarm.staleness_limit, allow=guard.allow,
-            recent_norms=self.recent_norms(), max_samples=guard.max_samples,
+            recent_norms=self.recent_norms(), limits=guard.limits,
         )  # fmt: skip
         return verify_update(
             base_version=record.base_version, base_hash=record.base_hash,

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 from hivemind.utils import get_dht_time
 
 from diloco_peer.averaging.certificate import Statement
@@ -148,6 +149,9 @@ class Round:
     def run(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome:
         """Contribute `mine` until it is applied, kept or dropped (a few tries at most)."""
         self._waited_again = False
+        if not all(bool(torch.isfinite(t).all()) for t in mine.delta):
+            # training diverged (or the state did): such a δ can be neither signed nor applied
+            return self._drop(mine, loss, self.replica.version - mine.base_version, "not finite")
         for _ in range(2 + self.swarm.staleness_limit):
             outcome = self.contribute(mine, loss, t0)
             if outcome.status is not RoundStatus.RETRY:
@@ -283,7 +287,9 @@ class Round:
             return self.keep(mine, f"a group of {size} committed this version first", t0)
         self.replica.publish(record)
         self.ledger.last_own = (self.replica.version, mine)
-        self.guard.committed(self.replica, self._seal, mine.delta, mine.shard_samples, mine.steps)
+        self.guard.committed(
+            self.replica, self.certifier.seal, mine.delta, mine.shard_samples, mine.steps
+        )
         self.activity.idle()
         self.co_planners = [p for p in members if p != self.me]
         self.heads.publish()
@@ -323,16 +329,18 @@ class Round:
                     why)  # fmt: skip
         return RoundOutcome(RoundStatus.KEPT, reason=why)
 
-    def _drop(self, mine: Contribution, loss: float, staleness: int) -> RoundOutcome:
+    def _drop(
+        self, mine: Contribution, loss: float, staleness: int, reason: str = "stale"
+    ) -> RoundOutcome:
         self.counters.dropped += 1
         self.activity.idle()
         self.events.emit(
             "dropped", version=self.replica.version, state_hash=self.replica.state.hash(),
-            group_size=0, loss=loss, staleness=staleness, steps=mine.steps,
+            group_size=0, loss=loss, staleness=staleness, steps=mine.steps, reason=reason,
             limit=self.swarm.staleness_limit, dropped_total=self.counters.dropped,
         )  # fmt: skip
-        log.warning("[%s v%d] δ of staleness %d dropped", self.me[-6:], self.replica.version,
-                    staleness)  # fmt: skip
+        log.warning("[%s v%d] δ dropped (%s, staleness %d)", self.me[-6:], self.replica.version,
+                    reason, staleness)  # fmt: skip
         return RoundOutcome(RoundStatus.DROPPED)
 
     def _log_exclusions(self, loss: float) -> None:

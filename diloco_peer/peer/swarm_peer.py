@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
-from diloco_peer.averaging.contribution import samples_bound
+from diloco_peer.averaging.contribution import Limits
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
@@ -197,7 +197,7 @@ class SwarmPeer:
         self.replica = Replica(self.training.state, UpdateLog(swarm.keep_updates),
                                spec.record_updates)  # fmt: skip
         self.guard = Guard(self.identity, spec.run_name, swarm, allow=self._allowed,
-                           chaos=self.faults.chaos, max_samples=samples_bound(run, swarm))  # fmt: skip
+                           chaos=self.faults.chaos, limits=Limits.of(run, swarm))  # fmt: skip
         self.tensorboard = TensorBoard(spec.tensorboard)
         self.certifier = Certifier(lambda: self.node.dht if self.node else None, self.guard,
                                    recent_norms=self.replica.recent_norms)  # fmt: skip

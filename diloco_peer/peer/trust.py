@@ -28,6 +28,7 @@ from torch import Tensor
 
 from diloco_peer.averaging.contribution import (
     ContributionHeader,
+    Limits,
     NonceMemory,
     Round,
     delta_digest,
@@ -70,12 +71,12 @@ class Guard:
         *,
         allow: Callable[[str], bool] = lambda peer: True,
         chaos: Chaos | None = None,
-        max_samples: int = 0,
+        limits: Limits = Limits(),
     ) -> None:
         self.identity, self.run_name, self.swarm = identity, run_name, swarm
         self.allow = allow
-        self.max_samples = max_samples
-        """The most samples a member's header may declare (`contribution.samples_bound`)."""
+        self.limits = limits
+        """What a member's header may claim (`contribution.Limits`: samples, steps, norm)."""
         self.behaviour = chaos.behaviour() if chaos is not None else Behaviour()
         self.bans = BanList(swarm.ban_rounds)
         self.silence = Silence()
@@ -109,7 +110,7 @@ class Guard:
             run=self.run_name, key=key, version=version, state_hash=state_hash, numel=numel,
             shapes=shapes, staleness_limit=self.swarm.staleness_limit,
             norm_factor=self.swarm.norm_factor, weighting=self.swarm.weighting,
-            max_samples=self.max_samples,
+            limits=self.limits,
         )  # fmt: skip
         replayed = self.behaviour.replayed()
         if replayed is not None:
