@@ -56,6 +56,7 @@ ATTACKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hijack-lone=1000": ("hijack-lone=1000", ()),
     "steer": ("steer", ()),
     "silent": ("silent", ()),
+    "equivocate": ("equivocate", ()),
     "poison-heads": ("poison-heads", ()),
     "rival-manifest": ("rival-manifest", ()),
     "flood": ("flood", ()),
@@ -63,7 +64,8 @@ ATTACKS: dict[str, tuple[str, tuple[str, ...]]] = {
 """Label -> (`--chaos` value, extra flags of the attacker)."""
 NOT_RUN = {
     "frame": "needs the attacker to be hivemind's leader (random) and a matchmaking hook",
-    "reducer bias / equivocation": "needs hooks in averaging/reducer.py (receipts work)",
+    "reducer bias": "a reducer's answer within the norm bound is not checked against anything: "
+    "receipts prove equivocation, not a wrong average (docs/security.md)",
 }
 SECTION_BEGIN = "<!-- begin: bench/hostile_swarm.py (rewritten by the bench) -->"
 SECTION_END = "<!-- end: bench/hostile_swarm.py -->"

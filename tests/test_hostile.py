@@ -180,3 +180,11 @@ def test_a_rival_manifest_is_ignored_by_a_joiner_with_the_owner_pinned() -> None
     assert chosen.digest == owners.digest
     # without the pin, the peer it was told to dial decides: the rival's if it dialled the rival
     assert choose_manifest("run1", [rival, owners], prefer=[ATTACKER.peer_id_str]) is rival
+
+
+def test_an_equivocating_peer_says_so_to_its_averager_and_an_honest_one_does_not() -> None:
+    """`--chaos equivocate` reaches GroupAverager's `equivocate` fault through the guard (the
+    real-process proof: tests/test_group_averager.py; the swarm: bench/hostile_swarm.py)."""
+    hostile = Guard(ATTACKER, "run1", SwarmSettings(), chaos=Chaos.parse("equivocate"))
+    honest = Guard(ME, "run1", SwarmSettings())
+    assert hostile.equivocates("v0_x") and not honest.equivocates("v0_x")

@@ -16,6 +16,8 @@ Each mode is an attack the swarm must survive:
     wrong-shape  sends one value more than the model has, and declares it (caught at admission)
     silent       joins groups and never sends its parts (named by the members that waited for
                  it, held absent, left out of the retry: issue 16)
+    equivocate   as a reducer, answers one member (the first other, sorted) other bytes, signed:
+                 two contradicting receipts prove it (receipts.py), the round fails, it is banned
 
 The attacks of issue 16 (bench/hostile_swarm.py; what they do to the peer's parts: hostile.py):
 
@@ -82,6 +84,10 @@ class Behaviour:
 
     def withholds(self) -> bool:
         """Whether this peer, once in a group, keeps its parts to itself."""
+        return False
+
+    def equivocates(self) -> bool:
+        """Whether this peer, as a reducer, answers one member other bytes than the rest."""
         return False
 
     def weight(self) -> float:
@@ -176,6 +182,11 @@ class StaysSilent(Behaviour):
         return True
 
 
+class Equivocates(Behaviour):
+    def equivocates(self) -> bool:
+        return True
+
+
 class Hijacks(Behaviour):
     def __init__(self) -> None:
         self.done = False
@@ -236,6 +247,7 @@ _BEHAVIOURS: dict[str, type[Behaviour]] = {
     "replay": Replays,
     "wrong-shape": WrongShape,
     "silent": StaysSilent,
+    "equivocate": Equivocates,
     "hijack": Hijacks,
     "hijack-lone": HijacksLone,
     "steer": Steers,

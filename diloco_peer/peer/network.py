@@ -287,7 +287,7 @@ class Network:
                 None if swarm.min_cosine <= -1 else swarm.min_cosine)),
             on_group=faults.group_hook(), tamper=guard.tamper, client_mode=node.client_mode,
             withhold_parts=guard.withholds, allow=allow, sign=guard.identity.sign,
-            on_proof=guard.convict,
+            on_proof=guard.convict, equivocate=guard.equivocates,
         )  # fmt: skip
         server = StateServer(node.service, prefix, blob, updates=updates, allow=allow)
         # joiners ask a peer that accepts connections whether they can be dialed

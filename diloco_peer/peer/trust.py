@@ -138,6 +138,10 @@ class Guard:
         """GroupAverager's `withhold_parts` fault: a hostile peer that never sends its parts."""
         return self.behaviour.withholds()
 
+    def equivocates(self, key: str) -> bool:
+        """GroupAverager's `equivocate` fault: a hostile reducer answering members differently."""
+        return self.behaviour.equivocates()
+
     def envelope_weight(self) -> float:
         """The weight in this peer's matchmaking envelope: 1 (members ignore it: the admission
         derives every weight from the signed headers); a hostile peer's claim."""
