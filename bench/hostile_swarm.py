@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import write_section
+
 from diloco_peer.identity import Identity
 from diloco_peer.local_swarm import LocalSwarm, branches
 from diloco_peer.peer.events import read_log
@@ -69,6 +71,7 @@ NOT_RUN = {
 }
 SECTION_BEGIN = "<!-- begin: bench/hostile_swarm.py (rewritten by the bench) -->"
 SECTION_END = "<!-- end: bench/hostile_swarm.py -->"
+NOTES_MARKER = "<!-- notes: kept by the bench -->"
 _FORGED = re.compile(r"chaos: forged state v(\d+) ([0-9a-f]{64})")
 
 
@@ -196,7 +199,6 @@ def measure(
 def markdown(doc: dict[str, Any]) -> str:
     b5, b6 = doc["baseline_ppl"], doc["baseline6_ppl"]
     lines = [
-        SECTION_BEGIN,
         "## Attacks of issue 16 (bench/hostile_swarm.py)",
         "",
         f"`{doc['command']}` ({doc['wall_s']:.0f} s in all): {HONEST} honest peers (nano, "
@@ -226,20 +228,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{r['versions_short']} | {'; '.join(r['attacker_excluded']) or '-'} | "
             f"{'; '.join(r['refusals']) or '-'} | {r['wall_s']} |"
         )
-    lines += ["", "Not run: " + "; ".join(f"{k} ({v})" for k, v in NOT_RUN.items()) + ".", "",
-              SECTION_END]  # fmt: skip
+    lines += ["", "Not run: " + "; ".join(f"{k} ({v})" for k, v in NOT_RUN.items()) + "."]
     return "\n".join(lines) + "\n"
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace this bench's section of `path` (or append it)."""
-    text = path.read_text() if path.exists() else ""
-    if SECTION_BEGIN in text and SECTION_END in text:
-        head, rest = text.split(SECTION_BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 def main() -> int:
@@ -282,7 +272,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     if args.markdown:
-        write_section(args.markdown, markdown(doc))
+        write_section(args.markdown, markdown(doc), SECTION_BEGIN, SECTION_END, NOTES_MARKER)
     return 0 if all(r["finished"] for r in runs) else 1
 
 
