@@ -232,6 +232,48 @@ def test_a_fork_at_our_version_heals_by_replay_from_our_parent_state(run: RunSpe
     assert loser.published_hash == winner.published_hash and loser.version == 2
 
 
+@pytest.mark.timeout(120)
+def test_a_branch_that_parted_before_our_parent_still_counts_as_lost(run: RunSpec) -> None:
+    """A partition: our side committed two versions of its own, the winners three. Replaying
+    from our parent state cannot reach their chain (it parted further back), so the state is
+    downloaded, and our branch still counts as lost: our δ goes into the swarm again."""
+    signed = manifest(run)
+    winner = Replica(phase_of(run, signed).t.state, UpdateLog(8))
+    loser = Replica(phase_of(run, signed, peer="PeerB").t.state, UpdateLog(8))
+    winner.snapshot()
+    loser.snapshot()
+    seals: dict[int, dict[str, bytes]] = {}
+    commit_twice(winner, run, seals)
+    commit_twice(winner, run, seals)  # v4 on the winners' side
+    for value in (0.03, 0.05, 0.07):  # v3 on ours, parted at v0
+        own = [torch.full_like(t, value) for t in loser.state.theta]
+        loser.commit(own, ["PeerB"], {0: run.batch_size}, {})
+    assert (loser.version, winner.version) == (3, 4) and loser.parent is not None
+
+    class FromWinner:
+        def update(self, donor: str, base_version: int) -> bytes:
+            return winner.updates.get(base_version) or b""
+
+        def state(self, donor: str, *rest: object) -> StateBlob:
+            assert winner.blob is not None
+            return winner.blob
+
+        state_multi = state
+
+    won = winner.published_hash
+    view = SwarmView("PeerB", 3, loser.published_hash,
+                     {"PeerA": PeerHead(peer_id="PeerA", version=4, state_hash=won),
+                      "PeerC": PeerHead(peer_id="PeerC", version=4, state_hash=won)})  # fmt: skip
+    choice = view.choose_head(replay_window=2)
+    assert choice is not None and choice.endorsed and not choice.lost_fork
+    check = certifier(loser)
+    catch_up = CatchUp(loser, FromWinner(), me="PeerB", keep_updates=8,  # type: ignore[arg-type]
+                       verify=lambda r: check.check(r, seals.get(r.base_version, {})))  # fmt: skip
+    moved = catch_up.run(choice)
+    assert moved is not None and moved.method == "download" and moved.lost_fork
+    assert loser.published_hash == won and moved.from_version == 3
+
+
 @pytest.mark.timeout(180)
 def test_a_peer_checkpoint_restores_state_adam_streams_rounds_and_a_pending_delta(
     run: RunSpec, tmp_path: Path

@@ -194,14 +194,17 @@ class CatchUp:
                 nbytes += took
                 if replayed is not None:
                     break
-                replica.restore()  # the donor's chain forks off ours at our version
+                replica.restore()  # the donor's chain forks off ours at our version: we lost
                 from_parent = True
             if replica.state.hash() != want:
                 raise ValueError("replayed state does not hash to the head's hash")
         except (StateTransferFailed, ValueError, ConfigError, CertificateError) as e:
             log.warning("[%s] replay from %s failed: %s", self._tag(), donor[-6:], e)
             replica.restore()
-            return Replay.FAILED, nbytes
+            # From the parent, our branch had lost already (a fork at our version, or one the
+            # donor's chain showed): the branches may part further back than our parent, and
+            # the state is then downloaded, but our δ still goes into the swarm again.
+            return (Replay.FORK if from_parent else Replay.FAILED), nbytes
         for record in replayed:
             replica.keep(record)
         return (Replay.HEALED if from_parent else Replay.DONE), nbytes
