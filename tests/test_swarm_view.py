@@ -201,9 +201,14 @@ def test_one_keys_head_is_never_downloaded_whole() -> None:
 
 def test_a_lone_other_peer_is_followed() -> None:
     """With one other live peer its word is all there is (a swarm of two; a joiner of its
-    founder): the quorum is the number of live peers when fewer are live."""
+    founder): the quorum is the number of live peers when fewer are live. Peers still at the
+    genesis state do not count: joiners that arrive together follow a founder that trained
+    alone (before, they formed a branch of their own at version 0 and never met it)."""
     choice = view(head(A, 50, H1), version=0).choose_head()
     assert choice is not None and choice.version == 50 and choice.endorsed
+    joiners = view(head(A, 3, H1), head(B, 0, H0), head(C, 0, H0), version=0, state_hash=H0)
+    joined = joiners.choose_head()
+    assert joined is not None and joined.version == 3 and joined.endorsed
 
 
 def test_clients_are_never_donors_but_still_vote() -> None:

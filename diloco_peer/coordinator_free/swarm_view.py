@@ -208,7 +208,10 @@ class SwarmView:
         holders: dict[tuple[int, str], set[str]] = {}
         for h in others:
             holders.setdefault((h.version, h.state_hash), set()).add(h.peer_id)
-        quorum = min(ENDORSE_QUORUM, len(self.others()))
+        # Peers still at the genesis state (version 0) vouch for nothing: a swarm whose only
+        # advanced peer is its founder is followed by its joiners, as a swarm of two is.
+        advanced = [h for h in others if h.version > 0]
+        quorum = max(1, min(ENDORSE_QUORUM, len(advanced)))
 
         def vouched(version: int, state_hash: str) -> bool:
             if len(holders[(version, state_hash)]) >= quorum:
