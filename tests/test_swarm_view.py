@@ -194,6 +194,9 @@ def test_one_keys_head_is_never_downloaded_whole() -> None:
     # within the replay window it is a candidate, but only for a replay (endorsed=False)
     near = view(head(A, 5, H1), *honest, version=3).choose_head(replay_window=2)
     assert near is not None and near.version == 5 and not near.endorsed
+    # the others left at the run's end: they still count, one key's head is not followed
+    alone = SwarmView(ME, 4, H2, {A: head(A, 51, H1)}, departed=frozenset({B, C}))
+    assert alone.choose_head() is None
     # two keys that agree are a quorum
     two = view(head(A, 1000, H1), head("Epeer", 1000, H1), *honest, version=3).choose_head()
     assert two is not None and two.version == 1000 and two.endorsed

@@ -185,6 +185,9 @@ class SwarmView:
     """Its hash as published (the hash of the last snapshot)."""
     heads: Mapping[str, PeerHead]
     """Live heads by peer id (`HeadBook.live`), this peer's own included or not."""
+    departed: frozenset[str] = frozenset()
+    """Peers we saw live that have left (`HeadBook.departures`): they still count for the
+    quorum, so that the last honest peer of a run does not follow one key's head alone."""
 
     def others(self) -> dict[str, PeerHead]:
         return {p: h for p, h in self.heads.items() if p != self.me}
@@ -210,7 +213,7 @@ class SwarmView:
             holders.setdefault((h.version, h.state_hash), set()).add(h.peer_id)
         # Peers still at the genesis state (version 0) vouch for nothing: a swarm whose only
         # advanced peer is its founder is followed by its joiners, as a swarm of two is.
-        advanced = [h for h in others if h.version > 0]
+        advanced = {h.peer_id for h in others if h.version > 0} | (self.departed - {self.me})
         quorum = max(1, min(ENDORSE_QUORUM, len(advanced)))
 
         def vouched(version: int, state_hash: str) -> bool:

@@ -176,7 +176,8 @@ class HeadChannel:
 
     def view(self) -> SwarmView:
         """The swarm as this peer sees it now (one DHT read)."""
-        return SwarmView(self.me, self._replica.version, self._replica.published_hash, self.live())
+        return SwarmView(self.me, self._replica.version, self._replica.published_hash, self.live(),
+                         frozenset(self.book.departures))  # fmt: skip
 
     def rejoiner(self, initial: Sequence[str], events: EventLog) -> Rejoiner:
         """A `Rejoiner` for this peer's DHT that knows the heads this channel read, and writes a
