@@ -211,9 +211,12 @@ class SwarmView:
         holders: dict[tuple[int, str], set[str]] = {}
         for h in others:
             holders.setdefault((h.version, h.state_hash), set()).add(h.peer_id)
-        # Peers still at the genesis state (version 0) vouch for nothing: a swarm whose only
-        # advanced peer is its founder is followed by its joiners, as a swarm of two is.
-        advanced = {h.peer_id for h in others if h.version > 0} | (self.departed - {self.me})
+        # To a joiner (we are at the genesis state, version 0) the other joiners vouch for
+        # nothing: a swarm whose only advanced peer is its founder is followed by its joiners,
+        # as a swarm of two is. A peer with a history of its own counts every live peer: else
+        # the founder at v1, its joiners still at v0, follows a lone hijacker's v51.
+        counted = [h for h in others if h.version > 0] if self.version == 0 else list(others)
+        advanced = {h.peer_id for h in counted} | (self.departed - {self.me})
         quorum = max(1, min(ENDORSE_QUORUM, len(advanced)))
 
         def vouched(version: int, state_hash: str) -> bool:
