@@ -21,7 +21,9 @@ Per run, over the honest peers:
 - `rounds_failed` (the most `round_failed` events of one honest peer) and `versions_short`
   (--versions minus the lowest final version): rounds lost;
 - where it was caught: the honest peers' `excluded` reasons for the attacker, and the lines of
-  their stderr that refuse something from it (a replay, a state download).
+  their stderr that refuse something from it (a replay, a state download);
+- `framed` / `framed_banned` (`--chaos frame`): whom the attacker, as a leader, listed in its
+  groups ("chaos: framed PEER" in its stderr), and how many of them any honest peer banned.
 
     python bench/hostile_swarm.py --versions 4 --markdown docs/results.md
     python bench/hostile_swarm.py --modes hijack,steer --versions 4
@@ -62,17 +64,15 @@ ATTACKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "poison-heads": ("poison-heads", ()),
     "rival-manifest": ("rival-manifest", ()),
     "flood": ("flood", ()),
+    "frame": ("frame", ()),
+    "bias": ("bias", ()),
 }
 """Label -> (`--chaos` value, extra flags of the attacker)."""
-NOT_RUN = {
-    "frame": "needs the attacker to be hivemind's leader (random) and a matchmaking hook",
-    "reducer bias": "a reducer's answer within the norm bound is not checked against anything: "
-    "receipts prove equivocation, not a wrong average (docs/security.md)",
-}
 SECTION_BEGIN = "<!-- begin: bench/hostile_swarm.py (rewritten by the bench) -->"
 SECTION_END = "<!-- end: bench/hostile_swarm.py -->"
 NOTES_MARKER = "<!-- notes: kept by the bench -->"
 _FORGED = re.compile(r"chaos: forged state v(\d+) ([0-9a-f]{64})")
+_FRAMED = re.compile(r"chaos: framed (\S+) \(([^;]+); listed with ([^)]*)\)")
 
 
 def _events(logs: list[Path], kind: str) -> list[dict[str, Any]]:
@@ -146,9 +146,9 @@ def measure(
     stops = [next((e for e in read_log(log) if e["event"] == "stop"), None) for log in logs]
     starts = [next((e for e in read_log(log) if e["event"] == "start"), None) for log in logs]
     excluded = _events(logs, "excluded")
-    forged: set[str] = set()
-    if attacker is not None and attacker.with_suffix(".err").exists():
-        forged = {m[2] for m in _FORGED.finditer(attacker.with_suffix(".err").read_text())}
+    attacker_err = _text(attacker.with_suffix(".err")) if attacker is not None else ""
+    forged = {m[2] for m in _FORGED.finditer(attacker_err)}
+    framed = [(m[1], m[2], m[3]) for m in _FRAMED.finditer(attacker_err)]
     held = {
         (log, e.get("state_hash"))
         for log in logs
@@ -189,6 +189,11 @@ def measure(
         else None,
         "refusals": sorted(set(refusals))[:6],
         "forged_states": sorted(forged),
+        "framed": [f"{peer[-6:]} ({how}, {what})" for peer, how, what in framed],
+        "framed_banned": len(
+            {e["excluded_peer"] for e in excluded if e.get("banned")}
+            & {peer for peer, _, _ in framed}
+        ),
         "adopted_forged": len({log for log, h in held if h in forged}),
         "crashed": sum(1 for code in exit_codes if code not in (0, None)),
         "rounds_failed": max(failed) if failed else None,
@@ -228,7 +233,11 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{r['versions_short']} | {'; '.join(r['attacker_excluded']) or '-'} | "
             f"{'; '.join(r['refusals']) or '-'} | {r['wall_s']} |"
         )
-    lines += ["", "Not run: " + "; ".join(f"{k} ({v})" for k, v in NOT_RUN.items()) + "."]
+    for r in doc["runs"]:
+        if r.get("framed"):
+            lines += ["", f"{r['mode']}: the attacker framed {len(r['framed'])} times: "
+                      f"{'; '.join(r['framed'])}; framed peers banned by an honest peer: "
+                      f"{r['framed_banned']}."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -206,3 +206,22 @@ def test_a_leader_remembers_a_bounded_number_of_groups() -> None:
         assert known == [False] * 12 + [True] * 8  # the newest 8
 
     asyncio.run(scenario())
+
+
+def test_a_framing_leader_counts_a_member_that_never_acknowledged() -> None:
+    """`--chaos frame` (hostile.Framer): the leader's forged ACK puts its victim in the
+    committed set at once, with the real ACKs; what follows is the members' admission
+    (tests/test_hostile.py)."""
+
+    async def scenario() -> None:
+        leader = desk()
+        g = group()
+        leader.open(g, window_s=5.0)
+        leader.forge_ack(g, D)
+        leader.forge_ack(group(digest=b"h" * 32), D)  # a group it never opened: nothing
+        acks = [asyncio.ensure_future(leader.answer_ack(m, pack_ack(g.digest))) for m in (A, C)]
+        committed = await asyncio.wait_for(leader.decide(g), 1.0)  # complete: no 5 s wait
+        assert committed == committed_group(g, set(PEERS))
+        assert all(a == pack_committed(PEERS, set(PEERS)) for a in await asyncio.gather(*acks))
+
+    asyncio.run(scenario())

@@ -10,9 +10,20 @@ import pytest
 import torch
 
 from diloco_peer.averaging.certificate import CertificateError
-from diloco_peer.averaging.contribution import Limits
+from diloco_peer.averaging.contribution import (
+    ContributionHeader,
+    Limits,
+    Round,
+    new_nonce,
+    screen_group,
+    shapes_digest,
+)
+from diloco_peer.averaging.matchmaking import Group, pack_gather, unpack_gather
 from diloco_peer.averaging.outer import build_outer_optimizer
+from diloco_peer.averaging.reducer import answer_part
+from diloco_peer.averaging.robust import Aggregation
 from diloco_peer.averaging.state import ReplicatedState
+from diloco_peer.averaging.wire import unpack_answer
 from diloco_peer.config import RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.manifest import Manifest
 from diloco_peer.coordinator_free.records import PeerHead, choose_manifest
@@ -22,7 +33,7 @@ from diloco_peer.errors import ConfigError
 from diloco_peer.identity import Identity
 from diloco_peer.peer import hostile
 from diloco_peer.peer.certify import Certifier
-from diloco_peer.peer.chaos import Chaos, Steers
+from diloco_peer.peer.chaos import Behaviour, Chaos, Steers
 from diloco_peer.peer.replica import Replica
 from diloco_peer.peer.trust import Guard
 
@@ -188,3 +199,97 @@ def test_an_equivocating_peer_says_so_to_its_averager_and_an_honest_one_does_not
     hostile = Guard(ATTACKER, "run1", SwarmSettings(), chaos=Chaos.parse("equivocate"))
     honest = Guard(ME, "run1", SwarmSettings())
     assert hostile.equivocates("v0_x") and not honest.equivocates("v0_x")
+
+
+def _signed_group(version: int, members: list[Identity]) -> tuple[Group, Round]:
+    """A group whose members signed honest headers for `version` (the envelopes hivemind's
+    leader hands out), and that round."""
+    state_hash = f"{version:02x}" * 32
+    shapes = shapes_digest(SHAPES)
+    rnd = Round(run="run1", key=f"v{version}_{state_hash[:16]}", version=version,
+                state_hash=state_hash, numel=72, shapes=shapes, staleness_limit=2, norm_factor=4.0)  # fmt: skip
+    ids = sorted(members, key=lambda k: k.peer_id_str)
+    gathered = tuple(
+        ContributionHeader(
+            run="run1", peer=k.peer_id_str, public_key=k.public_key, key=rnd.key,
+            version=version, state_hash=state_hash, base_version=version, steps=10, samples=80,
+            shards={0: 80}, numel=72, shapes=shapes, norm=1.0, digest="00" * 32,
+            nonce=new_nonce(),
+        ).sign(k)
+        for k in ids
+    )  # fmt: skip
+    group = Group(key=rnd.key, group_id=b"g", members=tuple(k.peer_id_str for k in ids),
+                  weights=(1.0,) * len(ids), gathered=gathered, clients=(False,) * len(ids),
+                  digest=b"d" * 32, leader=ids[0].peer_id_str)  # fmt: skip
+    return group, rnd
+
+
+def test_a_framed_peer_is_excluded_and_never_banned() -> None:
+    """`--chaos frame` (issue 16, attack 3): a leader lists a peer that never joined, with the
+    envelope that peer signed for an earlier group (or made-up bytes when it has none), or
+    replaces a follower's envelope; its own header names the victim banned and silent. The
+    honest members' screening keeps the victim out of the round and bans nobody."""
+    victim, honest = OTHER, [ME, Identity.generate()]
+    framer = Chaos.parse("frame").behaviour()
+    frame = framer.framer()
+    assert frame is not None and 0 < frame.lead_share < 1
+    earlier, _ = _signed_group(4, [ATTACKER, victim, *honest])
+    frame.seen(earlier, ATTACKER.peer_id_str)
+    now, rnd = _signed_group(5, [ATTACKER, *honest])
+    followers = {m: pack_gather(1.0, g) for m, g in zip(now.members, now.gathered, strict=True)}
+    del followers[ATTACKER.peer_id_str]  # the leader is no follower of its own
+    picked = frame.pick(followers)
+    assert picked is not None and picked[0] == victim.peer_id_str  # it never joined
+    assert frame.framed == frame.victim == victim.peer_id_str
+    _, _, replayed = unpack_gather(picked[1])
+    own = ContributionHeader.verify_bytes(
+        dict(zip(now.members, now.gathered, strict=True))[ATTACKER.peer_id_str],
+        ATTACKER.peer_id_str,
+    )
+    gathered = dict(zip(now.members, now.gathered, strict=True))
+    gathered[ATTACKER.peer_id_str] = framer.header(own, []).sign(ATTACKER)  # names the victim
+    gathered[victim.peer_id_str] = replayed
+    screening = screen_group(gathered, rnd)
+    assert set(screening.excluded) == {victim.peer_id_str}
+    assert "another round" in screening.excluded[victim.peer_id_str]
+    assert screening.banned == frozenset()
+    # later, every peer it knows joins: in turn it lists a made-up peer id (a ghost), then
+    # replaces a follower's envelope (made-up bytes when the one it knows is the one sent)
+    frame.seen(now, ATTACKER.peer_id_str)
+    assert frame.framed is None
+    later, rnd6 = _signed_group(6, [ATTACKER, victim, *honest])
+    real = dict(zip(later.members, later.gathered, strict=True))
+    followers = {m: pack_gather(1.0, g) for m, g in real.items() if m != ATTACKER.peer_id_str}
+    ghost = frame.pick(followers)
+    replaced = frame.pick(followers)
+    assert ghost is not None and ghost[0] not in real
+    assert replaced is not None and replaced[0] in followers
+    assert replaced[1] != followers[replaced[0]]
+    for peer, envelope in (ghost, replaced):
+        envelopes = {**real, peer: unpack_gather(envelope)[2]}
+        screening = screen_group(envelopes, rnd6)
+        assert set(screening.excluded) == {peer} and screening.banned == frozenset()
+    # an honest behaviour frames nobody
+    assert Chaos.parse("steer").behaviour().framer() is None
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed-mean", "centered-clip"])
+def test_a_biased_reducer_answers_a_fixed_direction_that_members_accept(method: str) -> None:
+    """`--chaos bias` (issue 16, attack 8; not defended, docs/security.md): the reducer's answer
+    is a fixed direction as long as the members' norm check allows, the same in every round;
+    members accept it (what bench/hostile_swarm.py then measures in a swarm)."""
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(100, generator=gen) * 0.01 for _ in range(4)]
+    bounds = [float(p.norm()) * 3 for p in parts]  # each member's whole δ is longer than its part
+    aggregation = Aggregation(method=method)  # type: ignore[arg-type]
+    answers = []
+    for scale in (1.0, 2.0):
+        received = [p * scale for p in parts]
+        honest, _ = answer_part(received, [1.0] * 4, bounds, aggregation, "none", 100)
+        biased, _ = answer_part(received, [1.0] * 4, bounds, aggregation, "none", 100, bias=True)
+        _, mean = unpack_answer(honest, bounds, aggregation, "none", members=4, numel=100)
+        _, steered = unpack_answer(biased, bounds, aggregation, "none", members=4, numel=100)
+        assert float(steered.norm()) > 2 * float(mean.norm())  # and yet within the bound
+        answers.append(steered)
+    assert torch.equal(answers[0], answers[1])  # the same direction whatever came in
+    assert Chaos.parse("bias").behaviour().biases() and not Behaviour().biases()

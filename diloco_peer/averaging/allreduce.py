@@ -167,6 +167,7 @@ class PartExchange(HandlerServer):
         keys: Sequence[bytes] | None = None,
         withhold: bool = False,
         equivocate: bool = False,
+        bias: bool = False,
     ) -> AllReduceResult:
         """Average `flat` (1-D fp32) with the group; the same bits on every member, or raise.
 
@@ -187,7 +188,8 @@ class PartExchange(HandlerServer):
         fault: this peer is in the round (its reducer takes the others' parts) but sends none
         of its own, as a member patched never to send its parts; AllReduceFailed at the timeout.
         `equivocate` is another: my reducer answers one member (the first other, sorted) with
-        other bytes, signed, as a reducer patched to fork its part (receipts.forge_answer).
+        other bytes, signed, as a reducer patched to fork its part (receipts.forge_answer);
+        `bias`, a reducer answering a fixed direction within the bound (reducer.answer_part).
         """
         check_bounds(bounds, len(members))
         chunks = torch.tensor_split(flat, chunk_count(flat.numel()))
@@ -206,6 +208,7 @@ class PartExchange(HandlerServer):
                 reducers=reducers,
                 sign=self._sign,
                 equivocate=equivocate,
+                bias=bias,
             )
             for c, chunk in enumerate(chunks)
         ]

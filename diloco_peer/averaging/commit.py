@@ -244,6 +244,13 @@ class CommitDesk(HandlerServer):
             Tally(group), now + window_s, window_s, asyncio.Event(), asyncio.Event()
         )
 
+    def forge_ack(self, group: Group, member: str) -> None:
+        """Test-only (`join --chaos frame`): a hostile leader counts `member` as if it had
+        acknowledged `group` (opened just before)."""
+        entry = self._open.get(group.digest)
+        if entry is not None and entry.tally.ack(member) is None and entry.tally.complete:
+            entry.complete.set()
+
     async def decide(self, group: Group) -> Group:
         """Wait for the followers' ACKs (until all are in, or the window closes); the committed
         group. NoGroup if no follower acknowledged; AllReduceFailed if `group` was not opened."""

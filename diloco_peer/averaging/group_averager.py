@@ -46,7 +46,7 @@ from diloco_peer.averaging.allreduce import SETUP_TIMEOUT_S, PartExchange
 from diloco_peer.averaging.commit import COMMIT_PROTOCOL, CommitDesk, commit, commit_window_s
 from diloco_peer.averaging.compression import COMPRESSIONS, Compression, prune
 from diloco_peer.averaging.echo import ReceiptDesk
-from diloco_peer.averaging.matchmaking import GATHER_PROTOCOL, Group, form_group
+from diloco_peer.averaging.matchmaking import GATHER_PROTOCOL, Frame, Group, form_group
 from diloco_peer.averaging.member import AllReduceResult
 from diloco_peer.averaging.partition import chunk_count
 from diloco_peer.averaging.receipts import Proof, Sign
@@ -145,6 +145,10 @@ class GroupAverager(BackgroundPart):
         (two contradicting receipts it signed, `receipts.Proof`), whenever this peer finds one.
     :param equivocate: test-only fault: called in the loop thread with the round key; True
         makes this peer's reducer answer one member with other bytes, signed (a forked part).
+    :param bias: test-only fault, likewise: its reducer answers every member a fixed direction
+        as long as the members' norm check allows, instead of the average (reducer.answer_part).
+    :param frame: test-only fault (`matchmaking.Frame`): as a leader, this peer lists a member
+        that never joined, or with an envelope it did not send, and counts its ACK.
     """
 
     def __init__(
@@ -164,6 +168,8 @@ class GroupAverager(BackgroundPart):
         sign: Sign | None = None,
         on_proof: Callable[[Proof], None] | None = None,
         equivocate: Callable[[str], bool] | None = None,
+        bias: Callable[[str], bool] | None = None,
+        frame: Frame | None = None,
     ) -> None:
         if not _NAME.fullmatch(prefix):
             raise ValueError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
@@ -185,6 +191,8 @@ class GroupAverager(BackgroundPart):
         self._delay_ack = delay_ack
         self._withhold_parts = withhold_parts
         self._equivocate = equivocate
+        self._bias = bias
+        self._frame = frame
         self._exchange = PartExchange(service, prefix, compression, self._aggregation, allow, sign)
         self._desk = CommitDesk(service, prefix)
         self._receipts = ReceiptDesk(service, prefix, on_proof or (lambda proof: None))
@@ -390,6 +398,7 @@ class GroupAverager(BackgroundPart):
                 keys=None if plan.keys is None else [k for _, k in plan.keys],
                 withhold=self._withhold_parts is not None and self._withhold_parts(key),
                 equivocate=self._equivocate is not None and self._equivocate(key),
+                bias=self._bias is not None and self._bias(key),
             )  # fmt: skip
             if plan.keys is not None:
                 self._receipts.settle(plan.digest, reduced.receipts)
@@ -405,6 +414,13 @@ class GroupAverager(BackgroundPart):
         finally:
             if plan.keys is not None:
                 self._receipts.close(plan.digest)
+
+    def _lead(self, proposed: Group, window_s: float) -> None:
+        """As the leader of `proposed`: take its members' ACKs (a hostile one forges one)."""
+        self._desk.open(proposed, window_s)
+        framed = self._frame.framed if self._frame is not None else None
+        if framed is not None and framed in proposed.members:
+            self._desk.forge_ack(proposed, framed)
 
     async def _form_group(
         self,
@@ -441,9 +457,12 @@ class GroupAverager(BackgroundPart):
                 target_size=target_size,
                 matchmaking_timeout_s=matchmaking_timeout_s,
                 client_mode=self._client_mode,
-                on_lead=lambda proposed: self._desk.open(proposed, window_s),
+                on_lead=lambda proposed: self._lead(proposed, window_s),
+                frame=self._frame,
             )
             matched = time.perf_counter()
+            if self._frame is not None:
+                self._frame.seen(group, self.peer_id)
             if self._delay_ack is not None and group.leader != self.peer_id:
                 await asyncio.sleep(self._delay_ack(key))
             committed = await commit(

@@ -29,7 +29,7 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator  # noqa: UP035  (ServicerBase needs typing's alias, see above)
+from typing import Any, AsyncIterator, Protocol  # noqa: UP035  (ServicerBase: typing's alias)
 
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
@@ -86,6 +86,24 @@ class Group:
     leader: str
     """The member that assembled the group (hivemind's leader; never in client mode): it
     collects the acknowledgements and says who is committed (commit.py)."""
+
+
+class Frame(Protocol):
+    """Test-only (`join --chaos frame`): a hostile leader's hand in the groups it assembles
+    (hostile.Framer). Honest peers pass none."""
+
+    lead_share: float
+    """The share of its search time it declares: below 1, it leads the peers that start
+    searching up to that much later (hivemind's leader is the earliest declared deadline)."""
+    framed: str | None
+    """The member its last `pick` listed."""
+
+    def pick(self, envelopes: dict[str, bytes]) -> tuple[str, bytes] | None:
+        """Given the followers' envelopes as the group is assembled: a (peer, envelope) to
+        list in the group as well, or instead of a follower's own, or None."""
+
+    def seen(self, group: Group, me: str) -> None:
+        """Called with every group this peer was in."""
 
 
 def pack_gather(weight: float, gather: bytes, *, client: bool = False) -> bytes:
@@ -168,18 +186,44 @@ class _RoundMatchmaking(Matchmaking):
     """
 
     def __init__(
-        self, *args: Any, on_lead: Callable[[GroupInfo], None] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        on_lead: Callable[[GroupInfo], None] | None = None,
+        frame: Frame | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.leader: PeerID | None = None
         self._on_lead = on_lead
+        self._frame = frame
 
     async def leader_assemble_group(self) -> GroupInfo:
+        ghost = self._list_victim(self._frame) if self._frame is not None else None
         info = await super().leader_assemble_group()
+        if ghost is not None:  # hivemind waits for every follower's stream to end: it has none
+            self.current_followers.pop(ghost, None)
         self.leader = self.peer_id
         if self._on_lead is not None:
             self._on_lead(info)
         return info
+
+    def _list_victim(self, frame: Frame) -> PeerID | None:
+        """The hostile leader's framing: a peer that never joined, or a follower with an
+        envelope it did not send, goes into the group hivemind is about to assemble. Returns
+        the victim if it never joined (it has no join stream)."""
+        envelopes = {p.to_base58(): r.gather for p, r in self.current_followers.items()}
+        picked = frame.pick(envelopes)
+        if picked is None:
+            return None
+        victim, envelope = picked
+        peer = PeerID.from_base58(victim)
+        request = averaging_pb2.JoinRequest()
+        joined = peer in self.current_followers
+        if joined:
+            request.CopyFrom(self.current_followers[peer])
+        request.gather = envelope
+        self.current_followers[peer] = request
+        return None if joined else peer
 
     async def follower_assemble_group(
         self, leader: PeerID, msg: averaging_pb2.MessageFromLeader
@@ -264,11 +308,13 @@ async def form_group(
     matchmaking_timeout_s: float,
     client_mode: bool = False,
     on_lead: Callable[[Group], None] | None = None,
+    frame: Frame | None = None,
 ) -> Group:
     """Find peers that call with the same `namespace` (which encodes the key) and schema.
 
     If this peer leads, `on_lead` gets the group as soon as it is assembled, before any
-    follower hears of it (a group whose own check fails here is not passed on).
+    follower hears of it (a group whose own check fails here is not passed on). `frame`:
+    test-only, a hostile leader's (`Frame`).
 
     In `client_mode` (a peer nobody can dial) this peer only asks others to lead; it never
     declares itself a leader, its envelope tells the group it reduces no part, and it waits
@@ -285,7 +331,7 @@ async def form_group(
     # the leader's group closes `margin` before the deadline; a peer that arrives later than the
     # leader has a later deadline, so it hears the leader's decision in time
     margin_s = min(_MAX_CLOSE_MARGIN_S, 0.2 * matchmaking_timeout_s)
-    search_s = matchmaking_timeout_s - margin_s
+    search_s = (matchmaking_timeout_s - margin_s) * (1.0 if frame is None else frame.lead_share)
 
     def lead(info: GroupInfo) -> None:
         try:
@@ -301,7 +347,7 @@ async def form_group(
     )
     try:
         servicer.matchmaking = _matchmaking(
-            dht, p2p, namespace, schema_hash, target_size, search_s, client_mode, lead
+            dht, p2p, namespace, schema_hash, target_size, search_s, client_mode, lead, frame
         )
         info = await _look_for_group(
             servicer.matchmaking,
@@ -328,6 +374,7 @@ def _matchmaking(
     search_s: float,
     client_mode: bool,
     on_lead: Callable[[GroupInfo], None],
+    frame: Frame | None = None,
 ) -> _RoundMatchmaking:
     """hivemind's `Matchmaking` for one round (a follower only, in client mode)."""
     matchmaking = (_FollowerMatchmaking if client_mode else _RoundMatchmaking)(
@@ -342,6 +389,7 @@ def _matchmaking(
         request_timeout=min(_MAX_REQUEST_TIMEOUT_S, 0.5 * search_s),
         client_mode=client_mode,
         on_lead=on_lead,
+        frame=frame,
     )
     # Peers may ask for different target sizes; a group larger than this peer's target
     # makes hivemind's key manager fail (random.sample of target buckets). The key it

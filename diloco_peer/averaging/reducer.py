@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from hivemind.p2p import P2P
 from torch import Tensor
 
@@ -40,6 +41,7 @@ from diloco_peer.averaging.robust import (
     Aggregation,
     Exclusion,
     Reason,
+    aggregate_norm_bound,
     screen_and_aggregate,
 )
 from diloco_peer.averaging.wire import OK, PART_HEADER, PartHeader, pack_answer, refusal
@@ -89,11 +91,21 @@ def answer_part(
     aggregation: Aggregation,
     codec: Compression,
     numel: int,
+    bias: bool = False,
 ) -> tuple[bytes, dict[int, Exclusion]]:
     """What a reducer answers once every member's part is in: screen, exclude, aggregate
     (`robust.screen_and_aggregate`), and serialize the answer (`wire.pack_answer`) once, for
-    every member. Returns the answer and every exclusion by member index, with its detail."""
+    every member. Returns the answer and every exclusion by member index, with its detail.
+
+    `bias` is a test-only fault: the answer is a fixed direction (the same in every round),
+    as long as the members' check allows (the longest declared norm it included, for a mean),
+    instead of the average: a reducer patched to steer its part within the norm bound."""
     average, excluded = screen_and_aggregate(received, weights, bounds, aggregation, codec, numel)
+    included = [b for i, b in enumerate(bounds or ()) if b is not None and i not in excluded]
+    if bias and included:
+        direction = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+        limit = 0.9 * aggregate_norm_bound(included, aggregation)
+        average = direction * (limit / float(direction.norm()))
     reasons = {i: exclusion.reason for i, exclusion in excluded.items()}
     return pack_answer(reasons, average, codec), excluded
 
@@ -117,6 +129,7 @@ class Round:
         reducers: Sequence[str] | None = None,
         sign: Sign | None = None,
         equivocate: bool = False,
+        bias: bool = False,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.key, self.digest, self.compression = key, digest, compression
@@ -134,6 +147,8 @@ class Round:
         """Signs my answer's receipt (receipts.py); None: unsigned (tests without keys)."""
         self.victim = next((m for m in self.members if m != me), None) if equivocate else None
         """Test-only fault: the member my reducer answers with other bytes (receipts.py)."""
+        self.bias = bias
+        """Test-only fault: my reducer answers a fixed direction within the bound (answer_part)."""
         self.sizes = part_sizes(numel, len(self.reducers))
         self.started, self.timeout_s = loop.time(), timeout_s
         self.deadline = self.started + timeout_s
@@ -220,6 +235,7 @@ class Round:
                 self.aggregation,
                 self.compression,
                 self.sizes[self.part],
+                self.bias,
             )
             answer = await asyncio.to_thread(seal_answer, answer, self.digest, self.part, self.sign)
         except AllReduceFailed as e:

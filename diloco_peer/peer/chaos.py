@@ -18,6 +18,14 @@ Each mode is an attack the swarm must survive:
                  it, held absent, left out of the retry: issue 16)
     equivocate   as a reducer, answers one member (the first other, sorted) other bytes, signed:
                  two contradicting receipts prove it (receipts.py), the round fails, it is banned
+    bias         as a reducer, answers every member a fixed direction as long as the members'
+                 norm check allows (the longest declared norm, for a mean), signed alike for
+                 all: not defended (docs/security.md), measured by bench/hostile_swarm.py
+    frame        as the leader (it declares half the search time), lists a peer that never
+                 joined, with that peer's envelope of an earlier group or made-up bytes (when
+                 all joined: replaces a follower's envelope, or lists a made-up peer id), counts
+                 its ACK, and names it banned and silent in its own headers (hostile.Framer):
+                 the victim is excluded, never banned
 
 The attacks of issue 16 (bench/hostile_swarm.py; what they do to the peer's parts: hostile.py):
 
@@ -90,9 +98,17 @@ class Behaviour:
         """Whether this peer, as a reducer, answers one member other bytes than the rest."""
         return False
 
+    def biases(self) -> bool:
+        """Whether this peer, as a reducer, answers a fixed direction within the norm bound."""
+        return False
+
     def weight(self) -> float:
         """The all-reduce weight in its matchmaking envelope (ignored by honest members)."""
         return 1.0
+
+    def framer(self) -> hostile.Framer | None:
+        """A leader's framing of a victim (GroupAverager's `frame` fault); None."""
+        return None
 
     def committed(self, peer: hostile.Committed) -> None:
         """Called right after this peer committed a version (round.py)."""
@@ -187,6 +203,26 @@ class Equivocates(Behaviour):
         return True
 
 
+class Biases(Behaviour):
+    def biases(self) -> bool:
+        return True
+
+
+class Frames(Behaviour):
+    def __init__(self) -> None:
+        self.frame = hostile.Framer()
+
+    def framer(self) -> hostile.Framer | None:
+        return self.frame
+
+    def header(self, header: ContributionHeader, delta: Sequence[Tensor]) -> ContributionHeader:
+        victim = self.frame.victim
+        if victim is None:
+            return header
+        bans, silent = (*header.bans, victim), (*header.silent, victim)
+        return dataclasses.replace(header, bans=bans, silent=silent)
+
+
 class Hijacks(Behaviour):
     def __init__(self) -> None:
         self.done = False
@@ -248,6 +284,8 @@ _BEHAVIOURS: dict[str, type[Behaviour]] = {
     "wrong-shape": WrongShape,
     "silent": StaysSilent,
     "equivocate": Equivocates,
+    "frame": Frames,
+    "bias": Biases,
     "hijack": Hijacks,
     "hijack-lone": HijacksLone,
     "steer": Steers,

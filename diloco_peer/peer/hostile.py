@@ -28,6 +28,7 @@ from diloco_peer.averaging.contribution import (
     new_nonce,
     shapes_digest,
 )
+from diloco_peer.averaging.matchmaking import Group, pack_gather
 from diloco_peer.averaging.wire import PartHeader
 from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest
 from diloco_peer.coordinator_free.records import PeerHead
@@ -101,6 +102,55 @@ def forge_lone(peer: Committed, factor: float | None) -> UpdateRecord:
     log.warning("chaos: forged state v%d %s (a lone update: norm %.3g, %d samples)",
                 version + 1, record.result_hash, norm, header.samples)  # fmt: skip
     return record
+
+
+FRAME_BYTES = b'{"frame": "a header the victim never signed"}'
+"""What a framing leader lists for a victim whose earlier envelope it does not know."""
+
+
+class Framer:
+    """The `frame` attack of issue 16 (a `matchmaking.Frame`): the leader alone says who is in
+    its group and what each member sent. As hivemind's leader (it declares half the search
+    time, so it leads the peers that start searching within that), it lists a peer that never
+    joined, with the envelope that peer sent in an earlier group (replayed: signed by the
+    victim, for another round) or made-up bytes. When every peer it knows joined, it takes
+    turns: it replaces one follower's envelope, or lists a made-up peer id (a "ghost") with
+    made-up bytes. It counts the victim's ACK, and names the victim banned and silent in its
+    own headers (`victim`)."""
+
+    lead_share = 0.5
+
+    def __init__(self) -> None:
+        self.framed: str | None = None
+        self.victim: str | None = None
+        """The last peer it framed: its headers name it banned and silent."""
+        self._known: dict[str, bytes] = {}  # each peer's envelope from its last group with us
+        self._count = 0
+
+    def seen(self, group: Group, me: str) -> None:
+        rows = zip(group.members, group.weights, group.gathered, group.clients, strict=True)
+        for member, weight, gather, client in rows:
+            if member not in (me, self.framed):
+                self._known[member] = pack_gather(weight, gather, client=client)
+        self.framed = None
+
+    def pick(self, envelopes: dict[str, bytes]) -> tuple[str, bytes] | None:
+        outside = sorted(set(self._known) - set(envelopes))
+        if outside:
+            victim, how = outside[self._count % len(outside)], "never joined"
+        elif envelopes and self._count % 2 == 0:
+            victim, how = sorted(envelopes)[self._count // 2 % len(envelopes)], "replaced"
+        else:
+            victim, how = Identity.generate().peer_id_str, "a ghost, never joined"
+        self._count += 1
+        envelope = self._known.get(victim)
+        if envelope is None or envelope == envelopes.get(victim):
+            envelope, what = pack_gather(1.0, FRAME_BYTES), "made-up bytes"
+        else:
+            what = "its envelope of an earlier group"
+        self.framed = self.victim = victim
+        log.warning("chaos: framed %s (%s; listed with %s)", victim, how, what)
+        return victim, envelope
 
 
 def poisoned(head: PeerHead, beat: int) -> PeerHead:

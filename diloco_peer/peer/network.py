@@ -287,7 +287,8 @@ class Network:
                 None if swarm.min_cosine <= -1 else swarm.min_cosine)),
             on_group=faults.group_hook(), tamper=guard.tamper, client_mode=node.client_mode,
             withhold_parts=guard.withholds, allow=allow, sign=guard.identity.sign,
-            on_proof=guard.convict, equivocate=guard.equivocates,
+            on_proof=guard.convict, equivocate=guard.equivocates, bias=guard.biases,
+            frame=guard.frame,
         )  # fmt: skip
         server = StateServer(node.service, prefix, blob, updates=updates, allow=allow)
         # joiners ask a peer that accepts connections whether they can be dialed

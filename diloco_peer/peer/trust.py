@@ -142,6 +142,15 @@ class Guard:
         """GroupAverager's `equivocate` fault: a hostile reducer answering members differently."""
         return self.behaviour.equivocates()
 
+    def biases(self, key: str) -> bool:
+        """GroupAverager's `bias` fault: a hostile reducer steering its part within the bound."""
+        return self.behaviour.biases()
+
+    @property
+    def frame(self) -> hostile.Framer | None:
+        """GroupAverager's `frame` fault: a hostile leader listing a victim (chaos `frame`)."""
+        return self.behaviour.framer()
+
     def envelope_weight(self) -> float:
         """The weight in this peer's matchmaking envelope: 1 (members ignore it: the admission
         derives every weight from the signed headers); a hostile peer's claim."""
