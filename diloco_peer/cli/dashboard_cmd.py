@@ -44,7 +44,7 @@ def dashboard(
 
     ident = Identity.load(str(identity)) if identity else None
     listed = Allowlist.load(str(allowlist), run=run) if allowlist else None
-    reader = SwarmReader(swarm, run, identity=ident, allow=listed.allows if listed else None)
+    reader = SwarmReader(swarm, run, identity=ident, allowed=listed.peer_ids if listed else None)
     try:
         signed = reader.manifest(owner=owner or (listed.owner_peer_id if listed else None))
         if listed is not None and listed.owner_peer_id != signed.owner_peer_id:

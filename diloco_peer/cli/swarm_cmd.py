@@ -75,9 +75,7 @@ def join(
     max_hours: float = typer.Option(0.0, help="Stop (checkpoint, leave) after this many hours."),
     metrics_port: int = typer.Option(-1, help="Prometheus metrics port (0 = any; default none)."),
     metrics_host: str = typer.Option("127.0.0.1", help="Interface of the metrics endpoint."),
-    dashboard_port: int = typer.Option(
-        -1, help="Serve the swarm's health page on this port (0 = any; default none)."
-    ),
+    dashboard_port: int = typer.Option(-1, help="Health page port (0 = any; default none)."),
     dashboard_host: str = typer.Option("127.0.0.1", help="Interface of the health page."),
     tensorboard: Path | None = typer.Option(
         None, help="Write TensorBoard event files here (pip install 'diloco-peer[tb]')."

@@ -6,7 +6,7 @@ are the swarm view's (swarm_view.py), the same code the peers run.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ STARTUP_TIMEOUT_S = 30.0
 class SwarmReader:
     """A client-mode DHT node for reading one run's records (`status`, `dashboard`), under a
     throwaway key or `identity` (a private swarm's allowlisted key); BadInput if the swarm
-    cannot be reached. `allow` drops the heads of other keys (a private swarm's allowlist)."""
+    cannot be reached. With `allowed` (a private swarm's allowlist, peer ids) the node checks
+    records as the swarm's peers do, and the heads of other keys are dropped."""
 
     def __init__(
         self,
@@ -34,9 +35,9 @@ class SwarmReader:
         run: str,
         *,
         identity: Identity | None = None,
-        allow: Callable[[str], bool] | None = None,
+        allowed: frozenset[str] | None = None,
     ) -> None:
-        self.run, self.allow = check_run_name(run), allow
+        self.run, self.allowed = check_run_name(run), allowed
         ident = identity or Identity.generate()
         with tempfile.TemporaryDirectory() as tmp:
             key = Path(tmp) / "id.key"
@@ -45,7 +46,7 @@ class SwarmReader:
                 self.dht = DHT(
                     start=True, identity_path=str(key), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                     initial_peers=list(swarm), client_mode=True,
-                    record_validators=records.record_validators(ident, run),
+                    record_validators=records.record_validators(ident, run, allowed),
                     startup_timeout=STARTUP_TIMEOUT_S,
                 )  # fmt: skip
             except Exception as e:
@@ -54,7 +55,8 @@ class SwarmReader:
 
     def heads(self, timeout_s: float = READ_TIMEOUT_S) -> dict[str, PeerHead]:
         """The run's heads as published now (SwarmTimeout if the DHT does not answer)."""
-        return records.read_heads(self.dht, self.run, timeout_s=timeout_s, allow=self.allow)
+        allow = None if self.allowed is None else self.allowed.__contains__
+        return records.read_heads(self.dht, self.run, timeout_s=timeout_s, allow=allow)
 
     def manifest(
         self, owner: str | None = None, timeout_s: float = READ_TIMEOUT_S

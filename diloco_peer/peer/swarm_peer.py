@@ -257,14 +257,12 @@ class SwarmPeer:
 
     def _start_metrics(self) -> None:
         gauges = Gauges(
-            version=lambda: self.state.version,
-            speed=lambda: self.training.trainer.speed.steps_per_s,
+            version=lambda: self.state.version, speed=lambda: self.training.trainer.speed.steps_per_s,
             paused=self._paused.is_set, bans=lambda: len(self.guard.bans.active(self.state.version)),
             bans_total=lambda: self.guard.bans.total,
         )  # fmt: skip
-        labels = {"peer": self.peer_id, "run": self.spec.run_name}
-        self.metrics = serve_metrics(self.spec.metrics_host, self.spec.metrics_port,
-                                     self.counters, gauges, labels)  # fmt: skip
+        self.metrics = serve_metrics(self.spec.metrics_host, self.spec.metrics_port, self.counters,
+                                     gauges, {"peer": self.peer_id, "run": self.spec.run_name})  # fmt: skip
         self.dashboard = serve_dashboard(self.spec, self.peer_id, self.heads.read, self.signed)
 
     # ----- the loop
