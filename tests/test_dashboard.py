@@ -80,12 +80,14 @@ def test_dead_and_departed_peers_are_dropped() -> None:
 def test_the_chart_has_a_point_per_version_the_heads_reached() -> None:
     timeline = Timeline()
     timeline.observe_heads({A: head(A, 0), B: head(B, 0)}, NOW)
-    timeline.observe_heads({A: head(A, 1, loss=3.0), B: head(B, 0)}, NOW + 5)
-    timeline.observe_heads({A: head(A, 1, loss=3.0), B: head(B, 1, loss=3.4)}, NOW + 6)
+    # B's loss at version 0 is its next phase's, which is not version 0's: not read
+    timeline.observe_heads({A: head(A, 0), B: head(B, 0, loss=4.0, in_group=True)}, NOW + 1)
+    timeline.observe_heads({A: head(A, 1, loss=3.2), B: head(B, 0)}, NOW + 5)
+    timeline.observe_heads({A: head(A, 1, loss=3.0, in_group=True), B: head(B, 1)}, NOW + 6)
     timeline.observe_heads({A: head(A, 2, loss=2.5), B: head(B, 2, loss=2.7)}, NOW + 12)
     chart = document(head(A, 2), timeline=timeline)["chart"]
     assert [p["version"] for p in chart] == [0, 1, 2]
-    assert chart[0]["loss"] is None and chart[1]["loss"] == pytest.approx(3.2)
+    assert chart[0]["loss"] is None and chart[1]["loss"] == pytest.approx(3.2)  # taken once
     assert [p["time"] for p in chart] == [NOW, NOW + 5, NOW + 12]  # first seen at that version
     assert chart[1]["peers"] == 2 and chart[2]["loss"] == pytest.approx(2.6)
 

@@ -73,16 +73,19 @@ class Timeline:
 
     def observe_heads(self, live: Mapping[str, PeerHead], now: float) -> None:
         """One read's live heads: a point at the highest version they show, with the mean
-        loss of the peers there (a head's loss is that of the phase that made its version)."""
+        loss of the peers there, taken once. A head's loss is its last phase's: right after
+        the commit to version v, the phase that made v (as a `round` event's loss is); once
+        the peer is in a group again it is the next phase's, so those heads are not read."""
         if not live:
             return
         top = max(h.version for h in live.values())
         at_top = [h for h in live.values() if h.version == top]
         point = self.points.setdefault(top, Point(version=top, time=now))
         point.peers = max(point.peers, len(at_top))
-        losses = [x for x in (_finite(h.loss) for h in at_top) if x is not None]
-        if losses and point.ppl is None:  # a log's exact point is not overwritten
-            point.loss = statistics.fmean(losses)
+        losses = [_finite(h.loss) for h in at_top if not h.in_group]
+        known = [x for x in losses if x is not None]
+        if known and point.loss is None:  # a log's exact point is not overwritten either
+            point.loss = statistics.fmean(known)
         self._trim()
 
     def observe_events(self, events: Iterable[Mapping[str, Any]]) -> None:

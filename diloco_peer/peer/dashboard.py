@@ -97,6 +97,8 @@ class DashboardServer(BackgroundPart):
         events: list[dict[str, Any]] = []
         if self.source.event_log:
             events, self._log_offset = read_events(self.source.event_log, self._log_offset)
+            # a log appended to by earlier runs under other keys: only this peer's lines count
+            events = [e for e in events if e.get("peer") == self.source.served_by]
         now = time.time()
         with self._lock:
             self.book.merge(heads, now)

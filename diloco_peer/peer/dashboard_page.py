@@ -9,9 +9,9 @@ PAGE = """<!doctype html>
 <meta charset="utf-8">
 <title>diloco-peer swarm</title>
 <style>
-body { font: 14px/1.4 system-ui, sans-serif; margin: 1em 2em; color: #222; }
+body { font: 13px/1.4 system-ui, sans-serif; margin: 1em 2em; color: #222; }
 h1 { font-size: 1.4em; margin-bottom: .2em; } h2 { font-size: 1.1em; margin: 1.2em 0 .4em; }
-table { border-collapse: collapse; } td, th { padding: 2px 8px; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; } td, th { padding: 2px 6px; border-bottom: 1px solid #ddd; white-space: nowrap; }
 th { text-align: left; background: #f4f4f4; } td.num { text-align: right; }
 .mono { font-family: ui-monospace, monospace; } .bad { color: #b00; font-weight: bold; }
 .ok { color: #070; } #status { color: #666; } .charts { display: flex; gap: 2em; flex-wrap: wrap; }
@@ -73,6 +73,9 @@ function chart(svg, pts, xlabel, ylabel) {
                         y1.toPrecision(4)));
   svg.appendChild(svgEl("text", {x: L - 4, y: H - B, "text-anchor": "end", "font-size": 10},
                         y0.toPrecision(4)));
+  svg.appendChild(svgEl("text", {x: L, y: H - B + 12, "font-size": 10}, +x0.toPrecision(4)));
+  svg.appendChild(svgEl("text", {x: W - P, y: H - B + 12, "text-anchor": "end", "font-size": 10},
+                        +x1.toPrecision(4)));
   svg.appendChild(svgEl("text", {x: 12, y: (H - B) / 2, "font-size": 11,
                                  transform: `rotate(-90 12 ${(H - B) / 2})`}, ylabel));
   svg.appendChild(svgEl("polyline", {fill: "none", stroke: "#36c", "stroke-width": 1.5,
@@ -96,7 +99,7 @@ function render(doc) {
     cell(row, p.peer_id.slice(-10), "mono"); cell(row, p.version, "num version");
     cell(row, p.state_hash.slice(0, 12), "mono hash"); cell(row, fmt(p.speed, 2), "num");
     cell(row, fmt(p.samples_per_s, 1), "num"); cell(row, p.client ? "client" : "full");
-    cell(row, `${fmt(p.last_seen_s, 0)} s ago`, "num");
+    cell(row, `${fmt(p.last_seen_s, 0)}s ago`, "num");
     cell(row, p.rss_mb === null ? "-" : `${fmt(p.rss_mb, 0)} MB`, "num");
     cell(row, p.cpu_percent === null ? "-" : `${fmt(p.cpu_percent, 0)}%`, "num");
     cell(row, p.gpu_mem_mb === null ? "-" : `${fmt(p.gpu_mem_mb, 0)} MB`, "num");
@@ -118,7 +121,7 @@ function render(doc) {
   const loss = doc.chart.filter(p => p.loss !== null).map(p => ({x: p.version, y: p.loss}));
   chart(document.getElementById("chart-loss"), loss, "version", "loss");
   const t0 = doc.chart.length ? Math.min(...doc.chart.map(p => p.time)) : 0;
-  const vt = doc.chart.map(p => ({x: (p.time - t0) / 60, y: p.version}));
+  const vt = doc.chart.map(p => ({x: (p.time - t0) / 60, y: p.version})).sort((a, b) => a.x - b.x);
   chart(document.getElementById("chart-version"), vt, "minutes", "version");
   const rounds = document.querySelector("#rounds tbody"); rounds.replaceChildren();
   for (const p of doc.chart.slice(-20).reverse()) {
