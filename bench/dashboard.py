@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -30,10 +31,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from diloco_peer.coordinator_free import records
-from diloco_peer.coordinator_free.status import SwarmReader
-from diloco_peer.local_swarm import LocalSwarm
-from diloco_peer.peer.dashboard import DashboardServer, Source, manifest_summary
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported: a quiet stderr
+
+from diloco_peer.coordinator_free import records  # noqa: E402
+from diloco_peer.coordinator_free.status import SwarmReader  # noqa: E402
+from diloco_peer.local_swarm import LocalSwarm  # noqa: E402
+from diloco_peer.peer.dashboard import DashboardServer, Source, manifest_summary  # noqa: E402
 
 BUDGET_S = 1.0
 """Server time one refresh may take (issue 20)."""
