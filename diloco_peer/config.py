@@ -404,6 +404,10 @@ class PeerSpec:
     """Serve Prometheus metrics on this port (0 picks one); -1 serves none."""
     metrics_host: str = "127.0.0.1"
     """Interface of the metrics endpoint."""
+    dashboard_port: int = -1
+    """Serve the swarm's health page (`diloco-peer dashboard`) on this port; -1 serves none."""
+    dashboard_host: str = "127.0.0.1"
+    """Interface of the health page (read-only)."""
     tensorboard: str | None = None
     """Write TensorBoard event files (one scalar per metric per round) into this folder."""
     gpu_memory_fraction: float = 1.0
@@ -436,6 +440,8 @@ class PeerSpec:
             raise ConfigError(f"--max-hours must be a finite number >= 0, got {self.max_hours}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if not -1 <= self.dashboard_port <= 65535:
+            raise ConfigError(f"--dashboard-port must be in 0..65535, got {self.dashboard_port}")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ConfigError(
                 f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}"

@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 # Imported for their side effect of adding commands to `app`.
 from diloco_peer.cli import (  # noqa: F401
     allow_cmd,
+    dashboard_cmd,
     doctor_cmd,
     export_cmd,
     keygen_cmd,

@@ -75,6 +75,8 @@ def join(
     max_hours: float = typer.Option(0.0, help="Stop (checkpoint, leave) after this many hours."),
     metrics_port: int = typer.Option(-1, help="Prometheus metrics port (0 = any; default none)."),
     metrics_host: str = typer.Option("127.0.0.1", help="Interface of the metrics endpoint."),
+    dashboard_port: int = typer.Option(-1, help="Health page port (0 = any; default none)."),
+    dashboard_host: str = typer.Option("127.0.0.1", help="Interface of the health page."),
     tensorboard: Path | None = typer.Option(
         None, help="Write TensorBoard event files here (pip install 'diloco-peer[tb]')."
     ),
@@ -99,7 +101,8 @@ def join(
         max_rounds=max_rounds, until_version=until_version, until_steps=until_steps,
         log_json=_text(log_json), data=data, threads=threads, shard=shard, throttle=throttle,
         record_updates=_text(record_updates), max_hours=max_hours, metrics_port=metrics_port,
-        metrics_host=metrics_host, tensorboard=_text(tensorboard), client_mode=client_mode,
+        metrics_host=metrics_host, dashboard_port=dashboard_port, dashboard_host=dashboard_host,
+        tensorboard=_text(tensorboard), client_mode=client_mode,
         gpu_memory_fraction=gpu_memory_fraction, allowlist=_text(allowlist), owner=owner,
     )  # fmt: skip
     founding = _founding(spec, config, model, inner_steps, protocol, expected_peers)

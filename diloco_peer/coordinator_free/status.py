@@ -13,6 +13,7 @@ from typing import Any
 from hivemind.dht import DHT
 
 from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free.manifest import SignedManifest, check_run_name
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.swarm_view import HeadBook, bans, forks
 from diloco_peer.errors import BadInput
@@ -22,26 +23,59 @@ READ_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = 30.0
 
 
+class SwarmReader:
+    """A client-mode DHT node for reading one run's records (`status`, `dashboard`), under a
+    throwaway key or `identity` (a private swarm's allowlisted key); BadInput if the swarm
+    cannot be reached. With `allowed` (a private swarm's allowlist, peer ids) the node checks
+    records as the swarm's peers do, and the heads of other keys are dropped."""
+
+    def __init__(
+        self,
+        swarm: Sequence[str],
+        run: str,
+        *,
+        identity: Identity | None = None,
+        allowed: frozenset[str] | None = None,
+    ) -> None:
+        self.run, self.allowed = check_run_name(run), allowed
+        ident = identity or Identity.generate()
+        with tempfile.TemporaryDirectory() as tmp:
+            key = Path(tmp) / "id.key"
+            key.write_bytes(ident.to_bytes())
+            try:
+                self.dht = DHT(
+                    start=True, identity_path=str(key), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                    initial_peers=list(swarm), client_mode=True,
+                    record_validators=records.record_validators(ident, run, allowed),
+                    startup_timeout=STARTUP_TIMEOUT_S,
+                )  # fmt: skip
+            except Exception as e:
+                last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+                raise BadInput(f"cannot reach the swarm: {last}") from None
+
+    def heads(self, timeout_s: float = READ_TIMEOUT_S) -> dict[str, PeerHead]:
+        """The run's heads as published now (SwarmTimeout if the DHT does not answer)."""
+        allow = None if self.allowed is None else self.allowed.__contains__
+        return records.read_heads(self.dht, self.run, timeout_s=timeout_s, allow=allow)
+
+    def manifest(
+        self, owner: str | None = None, timeout_s: float = READ_TIMEOUT_S
+    ) -> SignedManifest:
+        """The run's verified manifest; ManifestError (bad input) if the swarm has none."""
+        return records.fetch_manifest(self.dht, self.run, timeout_s=timeout_s, owner=owner)
+
+    def close(self) -> None:
+        self.dht.shutdown()
+
+
 def read_heads(swarm: Sequence[str], run: str) -> dict[str, PeerHead]:
     """The heads of `run` as published in the swarm reached through `swarm` (multiaddrs), read
     by a client-mode node with a throwaway key; BadInput if the swarm cannot be reached."""
-    ident = Identity.generate()
-    with tempfile.TemporaryDirectory() as tmp:
-        key = Path(tmp) / "id.key"
-        key.write_bytes(ident.to_bytes())
-        try:
-            dht = DHT(
-                start=True, identity_path=str(key), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                initial_peers=list(swarm), client_mode=True,
-                record_validators=records.record_validators(ident, run),
-                startup_timeout=STARTUP_TIMEOUT_S,
-            )  # fmt: skip
-        except Exception as e:
-            raise BadInput(f"cannot reach the swarm: {str(e).strip().splitlines()[-1]}") from None
-        try:
-            return records.read_heads(dht, run, timeout_s=READ_TIMEOUT_S)
-        finally:
-            dht.shutdown()
+    reader = SwarmReader(swarm, run)
+    try:
+        return reader.heads()
+    finally:
+        reader.close()
 
 
 def status_document(run: str, heads: Mapping[str, PeerHead], now: float) -> dict[str, Any]:

@@ -174,6 +174,14 @@ class HeadChannel:
             return {p: h for p, h in self.book.seen.items() if p == self.me}
         return self.book.live(time.time())
 
+    def read(self) -> dict[str, records.PeerHead]:
+        """One DHT read of the heads (allowlist applied) that leaves the book alone: for
+        readers on other threads (the health page, peer/dashboard.py)."""
+        dht = self._dht()
+        if dht is None:
+            return {}
+        return records.read_heads(dht, self._run, timeout_s=DHT_TIMEOUT_S, allow=self._allow)
+
     def view(self) -> SwarmView:
         """The swarm as this peer sees it now (one DHT read)."""
         return SwarmView(self.me, self._replica.version, self._replica.published_hash, self.live(),

@@ -1,18 +1,26 @@
-"""A Prometheus text-format endpoint for a long-running peer (`join --metrics-port`).
+"""A Prometheus endpoint for a long-running peer (`join --metrics-port`), on `prometheus_client`.
 
-Serves `GET /metrics` in the text exposition format (version 0.0.4) from a daemon thread; the
-values come from a callback that reads the peer's counters, so the endpoint never blocks training.
+Serves `GET /metrics` from a daemon thread with prometheus_client's handler (the text format
+0.0.4 by default, OpenMetrics when the scraper asks for it); the values come from a callback
+that reads the peer's counters at each scrape (a custom collector), so the endpoint never blocks
+training. Names and labels are a contract: existing scrapes and dashboards use them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+from typing import Literal
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import Metric as Family
+from prometheus_client.exposition import MetricsHandler, generate_latest
+from prometheus_client.registry import Collector
 
 from diloco_peer.errors import BadInput
 from diloco_peer.lifecycle import BackgroundPart, ready_now
@@ -20,32 +28,42 @@ from diloco_peer.lifecycle import BackgroundPart, ready_now
 log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""What a scrape without an Accept header gets."""
 
 
 @dataclass(frozen=True)
 class Metric:
     name: str
-    kind: str  # "gauge" or "counter"
+    """The sample's name; a counter's ends in `_total`."""
+    kind: Literal["gauge", "counter"]
     help: str
     value: float | None  # None: not known yet, the sample is left out
 
 
+class _Callback(Collector):
+    """The peer's metrics as prometheus_client families, read from `collect` at each scrape."""
+
+    def __init__(self, collect: Callable[[], list[Metric]], labels: dict[str, str]) -> None:
+        self._collect, self._labels = collect, dict(sorted(labels.items()))
+
+    def collect(self) -> Iterator[Family]:
+        names, values = list(self._labels), list(self._labels.values())
+        for m in self._collect():
+            family: Family
+            if m.kind == "counter":  # prometheus_client names the family without `_total`
+                family = CounterMetricFamily(m.name.removesuffix("_total"), m.help, labels=names)
+            else:
+                family = GaugeMetricFamily(m.name, m.help, labels=names)
+            if m.value is not None:
+                family.add_metric(values, float(m.value))
+            yield family
+
+
 def render(metrics: list[Metric], labels: dict[str, str]) -> str:
-    """The text exposition format: HELP and TYPE lines, then one sample per metric."""
-
-    def escape(v: str) -> str:
-        return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-    label_text = ",".join(f'{k}="{escape(v)}"' for k, v in sorted(labels.items()))
-    lines = []
-    for m in metrics:
-        lines.append(f"# HELP {m.name} {m.help}")
-        lines.append(f"# TYPE {m.name} {m.kind}")
-        if m.value is not None:
-            v = float(m.value)
-            text = "NaN" if math.isnan(v) else ("+Inf" if v == math.inf else repr(v))
-            lines.append(f"{m.name}{{{label_text}}} {text}")
-    return "\n".join(lines) + "\n"
+    """The text exposition format (0.0.4) of `metrics`, as a scrape receives it."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Callback(lambda: metrics, labels))
+    return generate_latest(registry).decode()
 
 
 class MetricsServer(BackgroundPart):
@@ -56,25 +74,19 @@ class MetricsServer(BackgroundPart):
         self, host: str, port: int, collect: Callable[[], list[Metric]], labels: dict[str, str]
     ) -> None:
         super().__init__()
-        self._collect, self._labels = collect, labels
-        outer = self
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Callback(collect, labels))
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(MetricsHandler.factory(registry)):  # type: ignore[misc]
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served")
                     return
                 try:
-                    body = render(outer._collect(), outer._labels).encode()
+                    super().do_GET()
                 except Exception as e:  # a scrape must never take the peer down
                     log.warning("metrics collection failed: %s", e)
                     self.send_error(500, "metrics collection failed")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
 
             def log_message(self, format: str, *args: object) -> None:  # quiet
                 log.debug("metrics: " + format, *args)

@@ -47,6 +47,7 @@ from diloco_peer.lifeline import Lifeline
 from diloco_peer.peer import peer_checkpoint
 from diloco_peer.peer.catch_up import CatchUp
 from diloco_peer.peer.certify import Certifier
+from diloco_peer.peer.dashboard import DashboardServer, serve_dashboard
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.faults import FaultPlan
 from diloco_peer.peer.heads import Activity, Facts, HeadChannel, Heartbeat
@@ -107,6 +108,7 @@ class SwarmPeer:
         self.heartbeat: Heartbeat | None = None
         self.rejoiner: Rejoiner | None = None
         self.metrics: MetricsServer | None = None
+        self.dashboard: DashboardServer | None = None
         self.lifeline: Lifeline | None = None
         self.tensorboard = TensorBoard(None)
         self._ready = False  # set once start() succeeded: only then may shutdown() checkpoint
@@ -255,14 +257,13 @@ class SwarmPeer:
 
     def _start_metrics(self) -> None:
         gauges = Gauges(
-            version=lambda: self.state.version,
-            speed=lambda: self.training.trainer.speed.steps_per_s,
+            version=lambda: self.state.version, speed=lambda: self.training.trainer.speed.steps_per_s,
             paused=self._paused.is_set, bans=lambda: len(self.guard.bans.active(self.state.version)),
             bans_total=lambda: self.guard.bans.total,
         )  # fmt: skip
-        labels = {"peer": self.peer_id, "run": self.spec.run_name}
-        self.metrics = serve_metrics(self.spec.metrics_host, self.spec.metrics_port,
-                                     self.counters, gauges, labels)  # fmt: skip
+        self.metrics = serve_metrics(self.spec.metrics_host, self.spec.metrics_port, self.counters,
+                                     gauges, {"peer": self.peer_id, "run": self.spec.run_name})  # fmt: skip
+        self.dashboard = serve_dashboard(self.spec, self.peer_id, self.heads.read, self.signed)
 
     # ----- the loop
 
@@ -441,7 +442,7 @@ class SwarmPeer:
                     log.debug("could not announce leaving: %s", e)
                 self._emit_stop()
         finally:
-            for part in (self.heartbeat, self.rejoiner, self.metrics):
+            for part in (self.heartbeat, self.rejoiner, self.metrics, self.dashboard):
                 if part is not None:
                     part.shutdown()
             self.tensorboard.close()
