@@ -10,10 +10,12 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.coordinator_free.dashboard import MAX_POINTS, Timeline, dashboard_document
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.swarm_view import HEAD_TTL_S, HeadBook
@@ -314,3 +316,66 @@ def test_the_page_shows_the_live_swarm_and_drops_a_killed_peer(swarm: LocalSwarm
         assert sorted(_page(driver)["peers"]) == sorted([ids["a"], ids["b"]])
     finally:
         driver.quit()
+
+
+@pytest.mark.slow
+@pytest.mark.multipeer
+@pytest.mark.timeout(300)
+def test_a_private_swarms_page_shows_only_listed_keys(swarm: LocalSwarm, tmp_path: Path) -> None:
+    """Issue 20, item 2: read under an allowlisted key with the run's allowlist, the page lists
+    the two listed peers and never a key off the list that runs alongside them (its heads are
+    dropped); an allowlist signed by someone else than the run owner is one line, exit 2."""
+    owner, member, stranger, rogue = (Identity.generate() for _ in range(4))
+    keys = {}
+    for name, identity in (("owner", owner), ("member", member), ("stranger", stranger),
+                           ("rogue", rogue)):  # fmt: skip
+        keys[name] = tmp_path / f"{name}.key"
+        identity.save(keys[name])
+    allowlist, rogue_list = tmp_path / "allowlist", tmp_path / "rogue-list"
+    Allowlist.create(owner, "t", [owner.public_key, member.public_key]).save(allowlist)
+    Allowlist.create(rogue, "t", [rogue.public_key, member.public_key]).save(rogue_list)
+    private = ["--allowlist", str(allowlist)]
+    a, log_a = swarm.start("owner", *NANO, "--identity", str(keys["owner"]), *private)
+    maddr = swarm.address(log_a, 90, proc=a)
+    swarm.start("member", "--swarm", maddr, "--identity", str(keys["member"]), *private)
+    swarm.start("stranger", "--swarm", maddr, "--identity", str(keys["stranger"]))
+    port = _free_port()
+    swarm.procs.append(
+        spawn(
+            [
+                *PY,
+                "dashboard",
+                "--swarm",
+                maddr,
+                "--run",
+                "t",
+                "--port",
+                str(port),
+                "--refresh-s",
+                "1",
+                "--identity",
+                str(keys["member"]),
+                "--allowlist",
+                str(allowlist),
+            ],
+            stderr=swarm.folder / "dashboard.err",
+        )  # fmt: skip
+    )
+    listed = {owner.peer_id_str, member.peer_id_str}
+    deadline, seen = time.monotonic() + 180, set()
+    while seen != listed:
+        assert time.monotonic() < deadline, (seen, (swarm.folder / "dashboard.err").read_text())
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/swarm", timeout=10) as r:
+                doc = json.loads(r.read())
+            seen = {p["peer_id"] for p in doc["peers"]}
+            assert stranger.peer_id_str not in seen
+        except (urllib.error.URLError, ConnectionError):
+            pass  # not serving yet
+        time.sleep(1.0)
+    # the stranger has been running all along (it publishes heads of its own)
+    assert swarm.wait_event(tmp_path / "stranger.jsonl", "start", 60)
+    assert stranger.peer_id_str not in {p["peer_id"] for p in doc["peers"]}
+    _one_line_exit_2(_dashboard("--swarm", maddr, "--run", "t", "--port", "0", "--identity",
+                                str(keys["rogue"]), "--allowlist", str(rogue_list)),
+                     "signed by")  # fmt: skip
