@@ -118,6 +118,40 @@ def test_a_peers_round_events_give_ppl_bytes_and_contributions() -> None:
     assert doc["peers"][0]["contribution"] == doc["contributions"][A]
 
 
+def test_round_events_that_list_every_members_contribution_count_them_all() -> None:
+    """A round event's `contributions` (each member's [steps, samples] from its signed header,
+    Guard.contributions) gives every member's totals, not only the serving peer's."""
+    timeline = Timeline()
+    timeline.observe_events(
+        [
+            {
+                "event": "round",
+                "version": v,
+                "peer": A,
+                "time": NOW + v,
+                "members": [A, B],
+                "steps": 10,
+                "shards": {"0": 40},
+                "contributions": {A: [10, 40], B: [7, 28]},
+            }
+            for v in (1, 2)
+        ]
+        + [
+            {
+                "event": "round",
+                "version": 3,
+                "peer": A,
+                "members": [A, C],
+                "contributions": {C: ["x", -1], 5: [1, 1], A: [1]},
+            }
+        ]
+    )  # fmt: skip  (hostile values)
+    doc = document(head(A, 3), head(B, 3), head(C, 3), timeline=timeline)
+    assert doc["contributions"][A] == {"rounds": 3, "steps": 20, "samples": 80}
+    assert doc["contributions"][B] == {"rounds": 2, "steps": 14, "samples": 56}
+    assert doc["contributions"][C] == {"rounds": 1, "steps": 0, "samples": 0}
+
+
 def test_the_timeline_keeps_the_newest_points_only() -> None:
     timeline = Timeline()
     for v in range(MAX_POINTS + 10):
@@ -305,7 +339,9 @@ def test_the_page_shows_the_live_swarm_and_drops_a_killed_peer(swarm: LocalSwarm
                          "no manifest for run nope")  # fmt: skip
         _one_line_exit_2(_dashboard("--swarm", maddr, "--run", "t", "--port", str(port)),
                          "cannot serve the dashboard")  # fmt: skip
-        assert doc["contributions"][ids["a"]]["steps"] >= 10
+        # every member's steps and samples, from the signed headers its round events list
+        assert all(doc["contributions"][i]["steps"] >= 10 for i in ids.values()), doc
+        assert all(doc["contributions"][i]["samples"] > 0 for i in ids.values()), doc
         assert any(p["ppl"] is not None or p["bytes"] for p in doc["chart"])
 
         kill_main(c)  # SIGKILL the main process alone, as a crash does

@@ -161,6 +161,8 @@ def test_alone_in_the_swarm_a_peer_applies_its_own_delta() -> None:
     assert outcome.report.group_size == 1 and outcome.report.ppl == 7.0
     assert part.ledger.last_own == (1, mine) and part.co_planners == []
     assert part.counters.rounds_done == 1 and events.names() == ["round"]
+    # the event says what it contributed (the health page's per-peer totals)
+    assert events.emitted[0][1]["contributions"] == {ME.peer_id_str: [mine.steps, 40]}
     assert replica.published_hash == replica.state.hash() and heads.published == [False]
     # its update carries its own signed header, and its seal makes a certificate that verifies
     (record,) = heads.sealed

@@ -55,9 +55,10 @@ class Contribution:
     rounds: int = 0
     """Committed rounds it was a member of (from the serving peer's round events)."""
     steps: int = 0
-    """Inner steps it contributed (the serving peer's own, from its log)."""
+    """Inner steps it contributed in those rounds (its signed headers, as the serving peer's
+    round events list them)."""
     samples: int = 0
-    """Samples it contributed (the serving peer's own, from its log)."""
+    """Samples it contributed in those rounds (likewise)."""
 
 
 def _finite(x: Any) -> float | None:
@@ -106,7 +107,15 @@ class Timeline:
             for member in e.get("members") or []:
                 if isinstance(member, str):
                     self.contributions.setdefault(member, Contribution()).rounds += 1
-            peer = e.get("peer")
+            declared = e.get("contributions")
+            if isinstance(declared, dict):  # every member's, from its signed header
+                for member, pair in declared.items():
+                    if isinstance(member, str) and isinstance(pair, list) and len(pair) == 2:
+                        seen = self.contributions.setdefault(member, Contribution())
+                        seen.steps += _count(pair[0])
+                        seen.samples += _count(pair[1])
+                continue
+            peer = e.get("peer")  # a log written before rounds listed every member's
             if isinstance(peer, str):
                 mine = self.contributions.setdefault(peer, Contribution())
                 mine.steps += _count(e.get("steps"))

@@ -310,6 +310,8 @@ class Round:
             bytes_sent=report.bytes_sent, bytes_received=report.bytes_received, members=members,
             shards={str(k): v for k, v in mine.shard_samples.items()}, steps=mine.steps,
             staleness=staleness, group_staleness=stalenesses or {self.me[-8:]: staleness},
+            contributions=(self.guard.contributions(result) if result is not None
+                           else {self.me: [mine.steps, sum(mine.shard_samples.values())]}),
             compute_s=self.counters.compute_s, wait_s=self.counters.wait_s,
             dropped=self.counters.dropped, speed=self.training.trainer.speed.steps_per_s,
         )  # fmt: skip

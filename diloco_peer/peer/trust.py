@@ -259,6 +259,15 @@ class Guard:
                 totals[shard] = totals.get(shard, 0) + count
         return totals
 
+    def contributions(self, result: GroupResult) -> dict[str, list[int]]:
+        """Each contributor's [steps, samples], as its signed header for the round declares
+        (the `round` event's `contributions`: the health page's per-peer totals)."""
+        return {
+            p: [self.admitted[p].steps, self.admitted[p].samples]
+            for p in result.contributors
+            if p in self.admitted
+        }
+
     def staleness(self, result: GroupResult, version: int) -> dict[str, int]:
         return {
             p[-8:]: version - self.admitted[p].base_version
