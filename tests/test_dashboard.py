@@ -361,14 +361,16 @@ def test_a_private_swarms_page_shows_only_listed_keys(swarm: LocalSwarm, tmp_pat
     """Issue 20, item 2: read under an allowlisted key with the run's allowlist, the page lists
     the two listed peers and never a key off the list that runs alongside them (its heads are
     dropped); an allowlist signed by someone else than the run owner is one line, exit 2."""
-    owner, member, stranger, rogue = (Identity.generate() for _ in range(4))
+    owner, member, watcher, stranger, rogue = (Identity.generate() for _ in range(5))
     keys = {}
-    for name, identity in (("owner", owner), ("member", member), ("stranger", stranger),
-                           ("rogue", rogue)):  # fmt: skip
+    for name, identity in (("owner", owner), ("member", member), ("watcher", watcher),
+                           ("stranger", stranger), ("rogue", rogue)):  # fmt: skip
         keys[name] = tmp_path / f"{name}.key"
         identity.save(keys[name])
     allowlist, rogue_list = tmp_path / "allowlist", tmp_path / "rogue-list"
-    Allowlist.create(owner, "t", [owner.public_key, member.public_key]).save(allowlist)
+    # the page reads under a listed key of its own: a key is one live node at a time
+    listed_keys = [owner.public_key, member.public_key, watcher.public_key]
+    Allowlist.create(owner, "t", listed_keys).save(allowlist)
     Allowlist.create(rogue, "t", [rogue.public_key, member.public_key]).save(rogue_list)
     private = ["--allowlist", str(allowlist)]
     a, log_a = swarm.start("owner", *NANO, "--identity", str(keys["owner"]), *private)
@@ -390,7 +392,7 @@ def test_a_private_swarms_page_shows_only_listed_keys(swarm: LocalSwarm, tmp_pat
                 "--refresh-s",
                 "1",
                 "--identity",
-                str(keys["member"]),
+                str(keys["watcher"]),
                 "--allowlist",
                 str(allowlist),
             ],
