@@ -241,6 +241,14 @@ def _free_port() -> int:
 # ------------------------------------------------------------------ a real swarm in a browser
 
 
+def _start_dashboard(swarm: LocalSwarm, maddr: str, port: int, *extra: str) -> None:
+    """`dashboard` of run t on `port`, refreshing every second; stopped with the peers,
+    whatever happens."""
+    argv = [*PY, "dashboard", "--swarm", maddr, "--run", "t", "--port", str(port),
+            "--refresh-s", "1", *extra]  # fmt: skip
+    swarm.procs.append(spawn(argv, stderr=swarm.folder / "dashboard.err"))
+
+
 def _browser() -> Any:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -293,23 +301,7 @@ def test_the_page_shows_the_live_swarm_and_drops_a_killed_peer(swarm: LocalSwarm
     b, log_b = swarm.start("b", "--swarm", maddr)
     c, log_c = swarm.start("c", "--swarm", maddr)
     port = _free_port()
-    swarm.procs.append(  # stopped with the peers, whatever happens
-        spawn(
-            [
-                *PY,
-                "dashboard",
-                "--swarm",
-                maddr,
-                "--run",
-                "t",
-                "--port",
-                str(port),
-                "--refresh-s",
-                "1",
-            ],
-            stderr=swarm.folder / "dashboard.err",
-        )  # fmt: skip
-    )
+    _start_dashboard(swarm, maddr, port)
     ids = {name: swarm.wait_event(log, "start", 120)["peer"] for name, log in
            (("a", log_a), ("b", log_b), ("c", log_c))}  # fmt: skip
     driver = _browser()
@@ -378,26 +370,8 @@ def test_a_private_swarms_page_shows_only_listed_keys(swarm: LocalSwarm, tmp_pat
     swarm.start("member", "--swarm", maddr, "--identity", str(keys["member"]), *private)
     swarm.start("stranger", "--swarm", maddr, "--identity", str(keys["stranger"]))
     port = _free_port()
-    swarm.procs.append(
-        spawn(
-            [
-                *PY,
-                "dashboard",
-                "--swarm",
-                maddr,
-                "--run",
-                "t",
-                "--port",
-                str(port),
-                "--refresh-s",
-                "1",
-                "--identity",
-                str(keys["watcher"]),
-                "--allowlist",
-                str(allowlist),
-            ],
-            stderr=swarm.folder / "dashboard.err",
-        )  # fmt: skip
+    _start_dashboard(
+        swarm, maddr, port, "--identity", str(keys["watcher"]), "--allowlist", str(allowlist)
     )
     listed = {owner.peer_id_str, member.peer_id_str}
     deadline, seen = time.monotonic() + 180, set()

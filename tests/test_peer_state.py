@@ -114,15 +114,21 @@ def commit_twice(replica: Replica, run: RunSpec, seals: dict[int, dict[str, byte
         seals[record.base_version] = {me: certifier(replica).seal_bytes(record)}
 
 
+def two_replicas(run: RunSpec) -> tuple[Replica, Replica]:
+    """Two peers' replicas of one run at version 0 (this peer's and PeerB's), snapshotted."""
+    signed = manifest(run)
+    pair = (Replica(phase_of(run, signed).t.state, UpdateLog(8)),
+            Replica(phase_of(run, signed, peer="PeerB").t.state, UpdateLog(8)))  # fmt: skip
+    for replica in pair:
+        replica.snapshot()
+    return pair
+
+
 @pytest.mark.timeout(120)
 def test_a_replica_behind_replays_another_replicas_updates_to_the_same_hash(
     run: RunSpec,
 ) -> None:
-    signed = manifest(run)
-    ahead = Replica(phase_of(run, signed).t.state, UpdateLog(8))
-    behind = Replica(phase_of(run, signed, peer="PeerB").t.state, UpdateLog(8))
-    ahead.snapshot()
-    behind.snapshot()
+    ahead, behind = two_replicas(run)
     seals: dict[int, dict[str, bytes]] = {}
     commit_twice(ahead, run, seals)
     assert ahead.version == 2 and ahead.published_hash == ahead.state.hash()
@@ -181,11 +187,7 @@ def test_a_fork_at_our_version_heals_by_replay_from_our_parent_state(run: RunSpe
     the winner's certified update from the state below its own, downloads no state, and knows
     its branch lost; a forged update of the winner's is refused and nothing moves. (That one
     key's branch at our version is a candidate for this replay only: test_swarm_view.)"""
-    signed = manifest(run)
-    winner = Replica(phase_of(run, signed).t.state, UpdateLog(8))
-    loser = Replica(phase_of(run, signed, peer="PeerB").t.state, UpdateLog(8))
-    winner.snapshot()
-    loser.snapshot()
+    winner, loser = two_replicas(run)
     seals: dict[int, dict[str, bytes]] = {}
     commit_twice(winner, run, seals)  # v0 -> v1 -> v2
     shared = UpdateRecord.from_bytes(winner.updates.get(0) or b"")
@@ -237,11 +239,7 @@ def test_a_branch_that_parted_before_our_parent_still_counts_as_lost(run: RunSpe
     """A partition: our side committed two versions of its own, the winners three. Replaying
     from our parent state cannot reach their chain (it parted further back), so the state is
     downloaded, and our branch still counts as lost: our δ goes into the swarm again."""
-    signed = manifest(run)
-    winner = Replica(phase_of(run, signed).t.state, UpdateLog(8))
-    loser = Replica(phase_of(run, signed, peer="PeerB").t.state, UpdateLog(8))
-    winner.snapshot()
-    loser.snapshot()
+    winner, loser = two_replicas(run)
     seals: dict[int, dict[str, bytes]] = {}
     commit_twice(winner, run, seals)
     commit_twice(winner, run, seals)  # v4 on the winners' side
