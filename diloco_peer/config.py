@@ -55,6 +55,9 @@ MAX_INT = 2**63 - 1
 """Integers in configs and manifests beyond this are refused (JSON allows any size)."""
 DEFAULT_SHARDS = 8
 """Data shards of the built-in run (and of a swarm run whose num_shards is 0)."""
+GRACE_SHARE = 0.2
+"""The asynchronous preset's grace period as a share of a phase, in the simulator and the
+swarm alike (ALGORITHMS §2.4; docs/results.md, the async grid's ablation)."""
 MAX_SAFETENSORS_HEADER_BYTES = 1 << 20
 """The largest safetensors JSON header read from outside (a peer's state or update record, a
 checkpoint file): ours take ~100 bytes a tensor plus a little metadata, tens of kB for the
@@ -198,7 +201,10 @@ class SimSpec:
     jitter: float = 0.0
     """Std of the per-step multiplicative log-normal jitter of step times (seeded)."""
     grace_s: float = 0.0
-    """Async grace period in virtual seconds (ALGORITHMS §2.4)."""
+    """Async grace period in virtual seconds (ALGORITHMS §2.4): the shortest window."""
+    grace_share: float = GRACE_SHARE
+    """Async grace period as a share of a phase (H steps at the fastest worker's speed); the
+    window is the longer of the two (ALGORITHMS §2.4). The swarm's default, as there."""
     staleness_threshold: int = 10
     """async-polythres drops contributions staler than this."""
     drop_prob: float = 0.0
@@ -220,7 +226,10 @@ class SimSpec:
         _choice("compute schedule", self.compute_schedule, COMPUTE_SCHEDULES)
         _positive("workers", self.workers)
         _positive("total_steps", self.total_steps)
-        for name in ("jitter", "grace_s", "staleness_threshold", "pretrain_steps", "eval_every"):
+        for name in (
+            "jitter", "grace_s", "grace_share", "staleness_threshold", "pretrain_steps",
+            "eval_every",
+        ):  # fmt: skip
             _non_negative(name, getattr(self, name))
         if not 0 <= self.drop_prob < 1:
             raise ConfigError(f"drop_prob must be in [0, 1), got {self.drop_prob}")
@@ -262,7 +271,10 @@ class SwarmSettings:
     allreduce_timeout_s: float = 60.0
     """Longest an all-reduce may take before the round fails and the peer keeps its delta."""
     grace_s: float = 2.0
-    """Async mode: how long a ready peer waits for others to form a group."""
+    """Async mode: how long a ready peer waits for others to form a group, at least."""
+    grace_share: float = GRACE_SHARE
+    """Async mode: the grace period is also at least this share of a phase (H steps at the
+    fastest live peer's speed), so that it scales with the phase (ALGORITHMS §2.4)."""
     group_size: int = 64
     """Target all-reduce group size; one group per version while the swarm fits in it."""
     weighting: Weighting = "uniform"
@@ -304,6 +316,8 @@ class SwarmSettings:
         _finite("sync_timeout_s", self.sync_timeout_s, 0, strict=True)
         _finite("allreduce_timeout_s", self.allreduce_timeout_s, 0, strict=True)
         _finite("grace_s", self.grace_s, 0, strict=False)
+        if not (is_finite(self.grace_share) and 0 <= self.grace_share < 1):
+            raise ConfigError(f"grace_share must be in [0, 1), got {self.grace_share}")
         if self.group_size < 1:
             raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
         if self.staleness_limit < 0:
@@ -324,6 +338,10 @@ class SwarmSettings:
         if self.protocol == "async" and self.grace_s <= 0:
             raise ConfigError("async mode needs grace_s > 0: peers finishing together must meet")
 
+    def grace(self, phase_s: float | None) -> float:
+        """The async grace period around a phase of `phase_s` seconds (None: not measured)."""
+        return max(self.grace_s, self.grace_share * phase_s) if phase_s else self.grace_s
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -341,11 +359,12 @@ def default_run(
     model: ModelPreset = "tiny", protocol: Protocol = "sync"
 ) -> tuple[RunSpec, SwarmSettings]:
     """The built-in run: tiny model, built-in corpus, byte tokens; synchronous DiLoCo, or
-    asynchronous Local-SGD with Delayed Nesterov (the outer lr each tuned in the simulator,
-    docs/results.md table (b))."""
+    asynchronous Local-SGD with Delayed Nesterov. Both at outer lr 0.7: a grace-period group of
+    N peers is one Nesterov step under DN (ALGORITHMS §2.2), and the async grid measured no
+    gain from another lr (docs/results.md). `simulate --algo dn-dylu` runs the same preset."""
     run = RunSpec(model=model, inner_steps=50, warmup_steps=20, num_shards=DEFAULT_SHARDS)
     if protocol == "async":
-        run = dataclasses.replace(run, outer_optimizer="delayed-nesterov", outer_lr=1.0)
+        run = dataclasses.replace(run, outer_optimizer="delayed-nesterov")
     return run, SwarmSettings(
         protocol="sync" if protocol == "sync" else "async",
         sync_timeout_s=30.0, allreduce_timeout_s=60.0, grace_s=2.0,

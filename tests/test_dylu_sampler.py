@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from diloco_peer.coordinator_free.dylu import SpeedMeter, dylu_steps
+from diloco_peer.coordinator_free.dylu import SpeedMeter, dylu_phase_s, dylu_steps
 from diloco_peer.coordinator_free.sampler import ShardSampler, fill_shards, shard_probabilities
 from diloco_peer.errors import ConfigError
 
@@ -301,3 +301,9 @@ def test_static_assignment_is_unbalanced(sizes: list[int]) -> None:
     """The contrast: worker i always on shard i trains shards in proportion to device speed."""
     counts = _simulate(lambda worker, counts: worker, len(sizes))
     assert _max_relative_deviation(sizes, counts) > 0.20
+
+
+def test_a_dylu_phase_is_h_steps_at_the_fastest_speed() -> None:
+    speeds = {f"w{i}": 1 / s for i, s in enumerate(VERY_SECONDS_PER_STEP)}
+    assert dylu_phase_s(speeds, 50) == pytest.approx(50 * 0.58)
+    assert dylu_phase_s({}, 50) is None

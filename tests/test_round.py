@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,6 +28,7 @@ from diloco_peer.identity import Identity
 from diloco_peer.peer.certify import Certifier
 from diloco_peer.peer.delta import Contribution
 from diloco_peer.peer.heads import Activity
+from diloco_peer.peer.phase import Training
 from diloco_peer.peer.replica import Replica
 from diloco_peer.peer.round import Ledger, Round, RoundStatus
 from diloco_peer.peer.telemetry import Counters, TensorBoard
@@ -109,8 +111,10 @@ def make_round(
     replica = Replica(state, UpdateLog(4))
     replica.snapshot()
     heads, events = FakeHeads(replica, others), Events()
-    training = SimpleNamespace(eval_ppl=lambda: 7.0,
-                               trainer=SimpleNamespace(speed=SimpleNamespace(steps_per_s=2.0)))  # fmt: skip
+    trainer = SimpleNamespace(speed=SimpleNamespace(steps_per_s=2.0),
+                              spec=SimpleNamespace(inner_steps=50))  # fmt: skip
+    training = SimpleNamespace(eval_ppl=lambda: 7.0, trainer=trainer)
+    training.grace_s = partial(Training.grace_s, training)
     part = Round(
         me=ME.peer_id_str, swarm=swarm, replica=replica, training=training,  # type: ignore[arg-type]
         guard=Guard(ME, "run1", swarm), averager=lambda: averager, heads=heads,  # type: ignore[arg-type]
@@ -279,7 +283,10 @@ def test_async_without_a_group_retries_at_a_new_head_or_once_for_a_grouping_peer
     # more; 3: still nobody -> apply alone
     outcome = part.run(delta(), loss=2.0, t0=0.0)
     assert outcome.status is RoundStatus.ALONE and len(averager.calls) == 3
-    assert averager.calls[0]["matchmaking_timeout_s"] == part.swarm.grace_s
+    # the grace period scales with the phase: H = 50 steps at the fastest speed, 2 steps/s,
+    # is 25 s, and 0.2 of it (5 s) is longer than grace_s (2 s)
+    assert part.swarm.grace_share == 0.2 and part.swarm.grace_s == 2.0
+    assert averager.calls[0]["matchmaking_timeout_s"] == 5.0
 
 
 def test_left_out_of_a_group_keeps_the_delta_even_in_async_mode() -> None:

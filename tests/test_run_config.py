@@ -25,6 +25,20 @@ def test_async_needs_a_positive_grace_period() -> None:
     SwarmSettings(protocol="sync", grace_s=0.0)  # sync never uses it
 
 
+def test_the_grace_period_is_a_share_of_the_phase_and_never_below_grace_s() -> None:
+    swarm = SwarmSettings(protocol="async", grace_s=2.0, grace_share=0.2)
+    assert swarm.grace(None) == 2.0  # no speed measured yet
+    assert swarm.grace(5.0) == 2.0  # a short phase: grace_s is the floor
+    assert swarm.grace(300.0) == pytest.approx(60.0)  # a GPU-sized phase of 5 minutes
+    assert SwarmSettings(grace_share=0.0).grace(300.0) == 2.0
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0, float("nan"), float("inf")])
+def test_a_grace_share_outside_zero_to_one_is_refused(share: float) -> None:
+    with pytest.raises(ConfigError, match="grace_share"):
+        SwarmSettings(grace_share=share)
+
+
 @pytest.mark.parametrize(
     "field, value",
     [("expected_peers", -1), ("keep_updates", -1), ("eval_every", -2), ("start_timeout_s", -1.0)],

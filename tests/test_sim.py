@@ -106,7 +106,9 @@ def test_sync_leaves_a_remainder_smaller_than_one_step_per_worker(small_run: Run
 
 def test_dylu_idles_less_than_sync_on_heterogeneous_devices(small_run: RunSpec) -> None:
     sync = _simulate(small_run, algo="sync", heterogeneity="very")
-    dylu = _simulate(small_run, algo="dn-dylu", heterogeneity="very")
+    # no grace period: at H = 5 DyLU's phases (5, 3, 1, 1 steps) end seconds apart, and a
+    # window that groups them is idle time of its own
+    dylu = _simulate(small_run, algo="dn-dylu", heterogeneity="very", grace_share=0.0)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert sync["idle_fraction"][0] > 0.5
     assert mean(dylu["idle_fraction"]) < 0.5 * mean(sync["idle_fraction"])
@@ -154,9 +156,22 @@ def test_huge_grace_period_turns_dn_into_rounds(small_run: RunSpec) -> None:
     rounds = BUDGET // (WORKERS * H)
     assert (result["outer_updates"], result["max_staleness"]) == (rounds, 0)
     assert result["sim_time"] == pytest.approx(rounds * H * VERY[-1])
-    no_grace = _simulate(small_run, algo="dn", heterogeneity="very")
+    no_grace = _simulate(small_run, algo="dn", heterogeneity="very", grace_share=0.0)
     assert no_grace["max_staleness"] > 0
     assert no_grace["sim_time"] < result["sim_time"]
+
+
+def test_dylu_phases_meet_in_a_grace_period_that_is_a_share_of_the_phase(
+    small_run: RunSpec,
+) -> None:
+    # DyLU sizes the phases to end together, within about one slow step (H = 25: 25, 19, 9 and
+    # 4 steps end at 14.5, 14.25, 13.59 and 13.32 virtual s): the default grace (a share of H
+    # at the fastest speed, 2.9 s) groups them, no grace leaves each one alone and stale
+    kwargs: dict[str, Any] = {"algo": "dn-dylu", "heterogeneity": "very", "inner_steps": 25}
+    grouped = _simulate(small_run, total_steps=2 * 57, **kwargs)
+    alone = _simulate(small_run, total_steps=2 * 57, grace_share=0.0, **kwargs)
+    assert grouped["max_staleness"] == 0 and alone["max_staleness"] > 0
+    assert grouped["outer_updates"] < alone["outer_updates"]
 
 
 def test_sync_drop_prob_counts_dropped_contributions(small_run: RunSpec) -> None:

@@ -117,6 +117,13 @@ def test_a_published_speed_counts_at_most_a_few_times_the_median() -> None:
     assert view(head(A, speed=0.0), version=0).speeds(None) == {}
 
 
+def test_the_phase_the_grace_period_scales_with_is_bounded_by_the_capped_speeds() -> None:
+    # a peer claiming an absurd speed cannot shrink the phase (and so the grace period) to 0
+    fast = view(head(A, speed=1e300), head(B, speed=2.0), head(C, speed=1.0), version=0)
+    assert fast.phase_s(1.5, 60) == pytest.approx(60 / (SPEED_CAP * 1.5))
+    assert view(head(A, speed=0.0), version=0).phase_s(None, 60) is None
+
+
 def test_the_book_forgets_heads_two_ttls_old_and_their_absence_marks() -> None:
     book = HeadBook(ME, ttl_s=60)
     book.merge({C: head(C, 3, updated=NOW - 5)}, NOW - 5)

@@ -41,6 +41,12 @@ def dylu_steps(speeds: Mapping[K, float], max_steps: int) -> dict[K, int]:
     }
 
 
+def dylu_phase_s(speeds: Mapping[K, float], max_steps: int) -> float | None:
+    """How long a phase lasts under Eq. 6: H steps at the fastest speed (every peer's phase ends
+    about then); None without a speed. The grace period is a share of it (ALGORITHMS §2.4)."""
+    return max_steps / max(speeds.values()) if speeds else None
+
+
 class SpeedMeter:
     """Running estimate of one peer's inner-step speed v in steps/s (the input of Eq. 6).
 

@@ -18,6 +18,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco_peer.config import PeerSpec
+from diloco_peer.coordinator_free.dylu import dylu_phase_s
 from diloco_peer.coordinator_free.records import PeerHead
 
 HEAD_TTL_S = 60.0
@@ -291,6 +292,11 @@ class SwarmView:
             return {}
         cap = SPEED_CAP * statistics.median_low(measured.values())
         return {p: min(v, cap) for p, v in measured.items()}
+
+    def phase_s(self, mine: float | None, inner_steps: int) -> float | None:
+        """Async: how long a phase lasts under DyLU (H steps at the fastest live speed, Eq. 6:
+        every peer's phase ends about then), or None before any speed is known."""
+        return dylu_phase_s(self.speeds(mine), inner_steps)
 
     def unseen_steps(
         self,

@@ -91,6 +91,11 @@ class Training:
                 p.copy_(t)
         return perplexity(evaluate_loss(self.eval_model, self.data.val))
 
+    def grace_s(self, swarm: SwarmSettings, view: SwarmView) -> float:
+        """Async: the grace period now, around a phase as DyLU sizes it (SwarmView.phase_s)."""
+        speed = self.trainer.speed.steps_per_s
+        return swarm.grace(view.phase_s(speed, self.trainer.spec.inner_steps))
+
 
 def build_training(
     run: RunSpec, swarm: SwarmSettings, spec: PeerSpec, peer_id: str, manifest_digest: str

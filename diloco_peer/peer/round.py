@@ -169,8 +169,9 @@ class Round:
         # version before they contribute. Async mode waits only for the peers already looking
         # for a group at our state and those whose phase ends within the grace period; with
         # nobody to wait for, it applies its δ at once.
+        grace_s = self.training.grace_s(self.swarm, view)
         if others and self.asynchronous:
-            others = view.expected_soon(get_dht_time(), self.swarm.grace_s)
+            others = view.expected_soon(get_dht_time(), grace_s)
         if not others:  # alone in the swarm (Lookahead mode), or nobody worth waiting for
             return self.commit(mine, [self.me], None, loss, t0)
         key, offer, weight = self._offer(mine, announce=True)
@@ -180,7 +181,7 @@ class Round:
                 key, offer.delta, weight=weight, gather=offer.gather,
                 target_size=max(2, min(self.swarm.group_size, len(others) + 1)),
                 matchmaking_timeout_s=(
-                    self.swarm.grace_s if self.asynchronous else self.swarm.sync_timeout_s
+                    grace_s if self.asynchronous else self.swarm.sync_timeout_s
                 ),
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
                 admit=self.guard.admit(offer.round),

@@ -334,7 +334,8 @@ class SwarmPeer:
         return True
 
     def _expected_until(self) -> float | None:
-        return self.heads.view().expected_until(get_dht_time(), self.swarm.grace_s)
+        view = self.heads.view()
+        return view.expected_until(get_dht_time(), self.training.grace_s(self.swarm, view))
 
     def finished(self) -> bool:
         """--max-rounds, --until-version or --until-steps reached, or a stop was requested."""
@@ -385,7 +386,8 @@ class SwarmPeer:
             self.heads.publish()
         asynchronous = self.swarm.protocol == "async"
         start = time.time()
-        deadline = start + max(3.0, 2 * self.swarm.grace_s if asynchronous else 0)
+        grace_s = self.training.grace_s(self.swarm, self.heads.view())
+        deadline = start + max(3.0, 2 * grace_s if asynchronous else 0)
         while not self._stop.is_set():
             self.catch_up()
             now = time.time()
@@ -393,7 +395,7 @@ class SwarmPeer:
             # a version of its own; leaving before it does would leave it on another branch
             # (seen: two pairs ended on two different last versions). Stay until it is done.
             if asynchronous and self.heads.view().still_working():
-                deadline = max(deadline, min(start + SETTLE_MAX_S, now + self.swarm.grace_s))
+                deadline = max(deadline, min(start + SETTLE_MAX_S, now + grace_s))
             if now >= deadline:
                 return
             self._stop.wait(0.5)

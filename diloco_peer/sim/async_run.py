@@ -2,11 +2,12 @@
 period (arXiv 2401.09135, Alg. 2), and the naive baselines it is compared with.
 
 Workers run phases back to back; a phase's result is delivered at its virtual finish time, in
-order of (finish, worker index). The first arrival opens a grace window of `grace_s`; everyone
-arriving inside it joins the group. `dn`/`dn-dylu` hand each group to Delayed Nesterov as
-(sum, count), as a swarm's all-reduce group does; the naive baselines (`async`, `async-poly`,
-`async-polythres`, `async-buffer`) apply each contribution on its own as the paper's server
-does. When the group closes, its workers are handed their next phase.
+order of (finish, worker index). The first arrival opens a grace window, the longer of `grace_s`
+and `grace_share` of a phase (H at the fastest speed); everyone arriving inside it joins the
+group. `dn`/`dn-dylu` hand each group to Delayed Nesterov as (sum, count), as a swarm's
+all-reduce group does; the naive baselines (`async`, `async-poly`, `async-polythres`,
+`async-buffer`) apply each contribution on its own as the paper's server does. When the group
+closes, its workers are handed their next phase.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diloco_peer.coordinator_free.dylu import dylu_steps
+from diloco_peer.coordinator_free.dylu import dylu_phase_s, dylu_steps
 from diloco_peer.coordinator_free.sampler import ShardSampler
 from diloco_peer.peer.inner import Schedule
 from diloco_peer.sim.contributions import group_sum, mean_pairwise_cosine, plain_sum, uploaded
@@ -61,14 +62,15 @@ class AsyncRun:
             self._start(w, 0.0)
         group: list[Worker] = []
         window_open = math.inf  # arrival time of the group's first member
-        grace_s = self.spec.grace_s
+        grace_s = 0.0  # the open window's length
         while True:
             running = [w for w in self.workers if w.finish < math.inf]
             nxt = min(running, key=lambda w: (w.finish, w.index), default=None)
             if nxt is not None and (not group or nxt.finish <= window_open + grace_s):
                 # Arrives inside the grace window (or opens one).
                 self.sim.now = nxt.finish
-                window_open = min(window_open, nxt.finish)
+                if not group:
+                    window_open, grace_s = nxt.finish, self._grace_s()
                 nxt.finish = math.inf
                 group.append(nxt)
                 if self.algo not in GROUPED_ALGOS:
@@ -81,6 +83,13 @@ class AsyncRun:
             self._close_group(group, close)
             group, window_open = [], math.inf
         return self._result()
+
+    def _grace_s(self) -> float:
+        """The grace window: the longer of grace_s and grace_share of a phase as DyLU sizes it
+        (H at the fastest measured speed), as SwarmSettings.grace has it in a swarm."""
+        speeds = {w.index: w.speed.steps_per_s or 1.0 for w in self.workers}
+        phase_s = dylu_phase_s(speeds, self.run_spec.inner_steps) or 0.0
+        return max(self.spec.grace_s, self.spec.grace_share * phase_s)
 
     def _steps(self, w: Worker) -> int:
         """The next phase's length: DyLU's share of H for `dn-dylu` (§2.3), else H."""

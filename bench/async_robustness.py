@@ -1,0 +1,264 @@
+"""Asynchronous DiLoCo (DN + DyLU) against synchronous DiLoCo over a grid of seeds and settings,
+each method at the run's defaults with no per-cell tuning (issue: async that wins untuned).
+
+The grid: seeds × start {scratch, pretrained (shared single-worker AdamW steps first)} × H ×
+heterogeneity, nano model, 4 workers, the same budget of local steps for every method. Per cell:
+dn-dylu's final ppl over sync's, and the virtual time each needs to reach sync's final ppl. Naive
+async and data parallel are reference rows (on the first `--reference-seeds` seeds).
+
+Variants (`--variant NAME=ALGO [FLAGS...]`) add a method with extra `simulate` flags: the
+ablations. Every run goes through the `diloco-peer simulate` CLI with one torch thread, `--jobs`
+at a time, and is kept as one JSON file under `--out`, so an interrupted grid resumes where it
+stopped (a run whose file exists for the same flags and simulator code is not run again). Prints one JSON document; with --markdown,
+writes its section of the results page.
+
+    python bench/async_robustness.py --out /tmp/ar --markdown docs/results.md
+    python bench/async_robustness.py --out /tmp/ar --seeds 7 --starts scratch --H 50 \\
+        --het very --methods sync --variant "lr1=dn-dylu --outer-lr 1.0"
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_section  # noqa: E402
+from paper_tables import time_to_reach  # noqa: E402
+
+BEGIN = "<!-- begin: bench/async_robustness.py -->"
+END = "<!-- end: bench/async_robustness.py -->"
+NOTES = "<!-- async_robustness notes: kept when the bench rewrites this section -->"
+REFERENCE = ("async", "ddp")
+
+
+@dataclass(frozen=True)
+class Cell:
+    seed: int
+    start: str  # "scratch" or "pre<steps>"
+    h: int
+    het: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.start}/H{self.h}/{self.het}/s{self.seed}"
+
+    @property
+    def setting(self) -> str:
+        return f"{self.start}/H{self.h}/{self.het}"
+
+
+def run_args(cell: Cell, algo: str, extra: list[str], base: argparse.Namespace) -> list[str]:
+    args = [
+        "--algo", algo, "--model", base.model, "--workers", str(base.workers),
+        "--total-steps", str(base.total_steps), "-H", str(cell.h),
+        "--heterogeneity", cell.het, "--seed", str(cell.seed),
+    ]  # fmt: skip
+    if cell.start != "scratch":
+        args += ["--pretrain-steps", cell.start.removeprefix("pre")]
+    return args + extra
+
+
+SIM_CODE = ("diloco_peer/sim", "diloco_peer/config.py", "diloco_peer/averaging/outer.py",
+            "diloco_peer/peer/inner.py", "diloco_peer/peer/model.py", "diloco_peer/peer/data.py",
+            "diloco_peer/coordinator_free/dylu.py", "diloco_peer/coordinator_free/sampler.py",
+            "diloco_peer/cli/sim_cmd.py")  # fmt: skip
+"""What a simulated run's result depends on besides its flags (its defaults included)."""
+
+
+def code_digest() -> str:
+    """A digest of SIM_CODE: a kept result counts only for the code that produced it."""
+    root, h = Path(__file__).resolve().parent.parent, hashlib.sha256()
+    for name in SIM_CODE:
+        path = root / name
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def simulate(args: list[str], out: Path) -> dict[str, Any]:
+    """One `simulate` run, or its kept result when `out` holds it already (same flags, same
+    simulator code)."""
+    key = hashlib.sha256(" ".join([CODE, *args]).encode()).hexdigest()[:16]
+    path = out / f"{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    cmd = [sys.executable, "-m", "diloco_peer", "simulate", "--json", "--threads", "1", *args]
+    t0 = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"run failed ({' '.join(args)}): {done.stderr.strip()[-500:]}")
+    result = json.loads(done.stdout)
+    doc = {"args": args, "code": CODE, "config": result["config"], "wall_s": time.time() - t0, "final_ppl": result["final_ppl"],
+           "sim_time": result["sim_time"], "outer_updates": result["outer_updates"],
+           "curve": result["curve"], "mean_staleness": result.get("mean_staleness"),
+           "idle_fraction": result.get("idle_fraction")}  # fmt: skip
+    path.write_text(json.dumps(doc))
+    print(f"[bench] {' '.join(args)}: ppl {result['final_ppl']:.3f} ({doc['wall_s']:.0f}s)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return doc
+
+
+CODE = code_digest()
+
+
+def parse_variants(raw: list[str]) -> dict[str, tuple[str, list[str]]]:
+    """`--variant "NAME=ALGO FLAG VALUE ..."` → {NAME: (ALGO, [FLAG, VALUE, ...])}."""
+    variants = {}
+    for text in raw:
+        words = shlex.split(text)
+        name, _, algo = words[0].partition("=") if words else ("", "", "")
+        if not name or not algo:
+            raise SystemExit(f"--variant wants 'NAME=ALGO [FLAGS...]', got {text!r}")
+        variants[name] = (algo, words[1:])
+    return variants
+
+
+def summarize(cells: list[Cell], results: dict[tuple[str, str], dict[str, Any]],
+              methods: list[str]) -> dict[str, Any]:  # fmt: skip
+    """Per cell and method: final ppl, its ratio to sync's, and the virtual time to reach
+    sync's final ppl; per method the median and the worst ratio."""
+    rows, ratios = [], {m: [] for m in methods if m != "sync"}
+    for cell in cells:
+        sync = results.get((cell.name, "sync"))
+        if sync is None:
+            continue
+        target = sync["final_ppl"]
+        row: dict[str, Any] = {"cell": cell.name, "setting": cell.setting, "seed": cell.seed,
+                               "sync_ppl": target,
+                               "sync_reach_s": time_to_reach(sync["curve"], target)}  # fmt: skip
+        for m in methods:
+            r = results.get((cell.name, m))
+            if m == "sync" or r is None:
+                continue
+            ratio = r["final_ppl"] / target
+            ratios[m].append(ratio)
+            row[m] = {"ppl": r["final_ppl"], "ratio": ratio, "sim_time": r["sim_time"],
+                      "reach_s": time_to_reach(r["curve"], target),
+                      "outer_updates": r["outer_updates"]}  # fmt: skip
+        rows.append(row)
+    per_method = {
+        m: {
+            "cells": len(v),
+            "median_ratio": statistics.median(v),
+            "worst_ratio": max(v),
+            "sooner_everywhere": all(
+                row[m]["reach_s"] is not None and row[m]["reach_s"] < row["sync_reach_s"]
+                for row in rows
+                if m in row
+            ),
+        }  # fmt: skip
+        for m, v in ratios.items()
+        if v
+    }
+    return {"rows": rows, "methods": per_method}
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def render(doc: dict[str, Any]) -> str:
+    methods = [m for m in doc["methods_run"] if m != "sync"]
+    head = "| cell | sync ppl | " + " | ".join(f"{m} ppl (× sync)" for m in methods)
+    head += " | " + " | ".join(f"{m} reach s" for m in methods) + " | sync reach s |"
+    lines = [
+        "## Async against sync, untuned, over a grid (bench/async_robustness.py)",
+        "",
+        f"`{doc['command']}`: nano, {doc['workers']} workers, {doc['total_steps']} local steps "
+        "per run, every method at `simulate`'s defaults. *reach s*: virtual seconds until the "
+        "held-out ppl is at or below sync's final ppl (— never).",
+        "",
+        head,
+        "|" + "---|" * (2 + 2 * len(methods) + 1),
+    ]
+    for row in sorted(doc["summary"]["rows"], key=lambda r: (r["setting"], r["seed"])):
+        cols = [row["cell"], _f(row["sync_ppl"])]
+        cols += [f"{_f(row[m]['ppl'])} ({row[m]['ratio']:.3f})" if m in row else "—"
+                 for m in methods]  # fmt: skip
+        cols += [_f(row[m]["reach_s"], 0) if m in row else "—" for m in methods]
+        cols.append(_f(row["sync_reach_s"], 0))
+        lines.append("| " + " | ".join(cols) + " |")
+    lines += ["", "| method | cells | median × sync | worst × sync | reaches sync's ppl sooner "
+              "in every cell |", "|---|---|---|---|---|"]  # fmt: skip
+    for m, s in doc["summary"]["methods"].items():
+        lines.append(f"| {m} | {s['cells']} | {s['median_ratio']:.3f} | {s['worst_ratio']:.3f} "
+                     f"| {'yes' if s['sooner_everywhere'] else 'no'} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", type=Path, required=True, help="folder of kept run results")
+    p.add_argument("--seeds", default="0,1,2,3,4")
+    p.add_argument("--starts", default="scratch,pre300", help="scratch and/or preN")
+    p.add_argument("--H", default="25,50,100", help="inner steps of the fastest worker")
+    p.add_argument("--het", default="slight,very", help="heterogeneity levels")
+    p.add_argument("--methods", default="sync,dn-dylu", help="algorithms at their defaults")
+    p.add_argument(
+        "--reference-seeds",
+        type=int,
+        default=1,
+        help="run naive async and ddp on this many of the seeds (0: none)",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="'NAME=ALGO FLAGS'",
+        help="a method with extra simulate flags, quoted as one argument",
+    )
+    p.add_argument("--model", default="nano")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--total-steps", type=int, default=2400)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--json", type=Path, help="write the document here too")
+    p.add_argument("--markdown", type=Path, help="write the section into this page")
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    # seed by seed: a grid stopped half way has every setting on its first seeds
+    cells = [Cell(seed, start, int(h), het)
+             for seed in seeds for start in a.starts.split(",") for h in a.H.split(",")
+             for het in a.het.split(",")]  # fmt: skip
+    methods = {m: (m, []) for m in a.methods.split(",")}
+    methods.update(parse_variants(a.variant))
+    jobs: list[tuple[Cell, str, list[str]]] = []
+    for cell in cells:
+        for name, (algo, extra) in methods.items():
+            jobs.append((cell, name, run_args(cell, algo, extra, a)))
+        if cell.seed in seeds[: a.reference_seeds]:
+            jobs += [(cell, m, run_args(cell, m, [], a)) for m in REFERENCE]
+    t0 = time.time()
+    with ThreadPoolExecutor(a.jobs) as pool:
+        done = list(pool.map(lambda job: simulate(job[2], a.out), jobs))
+    results = {(cell.name, name): r for (cell, name, _), r in zip(jobs, done, strict=True)}
+    names = [*methods, *(REFERENCE if a.reference_seeds else ())]
+    doc = {
+        "command": "python bench/async_robustness.py " + " ".join(sys.argv[1:]), "code": CODE,
+        "workers": a.workers, "total_steps": a.total_steps, "methods_run": names,
+        "variants": {n: [algo, *extra] for n, (algo, extra) in methods.items()},
+        "summary": summarize(cells, results, names), "wall_s": time.time() - t0,
+    }  # fmt: skip
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if a.json:
+        a.json.write_text(text)
+    if a.markdown:
+        write_section(a.markdown, render(doc), BEGIN, END, NOTES)
+
+
+if __name__ == "__main__":
+    main()
