@@ -6,13 +6,15 @@ heterogeneity, nano model, 4 workers, the same budget of local steps for every m
 dn-dylu's final ppl over sync's, and the virtual time each needs to reach sync's final ppl. Naive
 async and data parallel are reference rows (on the first `--reference-seeds` seeds).
 
-Variants (`--variant NAME=ALGO [FLAGS...]`) add a method with extra `simulate` flags: the
+Variants (`--variant "NAME=ALGO FLAGS..."`) add a method with extra `simulate` flags: the
 ablations. Every run goes through the `diloco-peer simulate` CLI with one torch thread, `--jobs`
-at a time, and is kept as one JSON file under `--out`, so an interrupted grid resumes where it
-stopped (a run whose file exists for the same flags and simulator code is not run again). Prints one JSON document; with --markdown,
-writes its section of the results page.
+at a time, and is kept as one JSON file under `--out` (by default in the repository: the full
+grid takes about 5 hours on 2 cores, so it is run over several sittings). A run kept for the
+same flags and simulator code (SIM_CODE and the default settings) is not run again;
+`--cached-only` runs nothing and summarizes what is kept. Prints one JSON document; with
+--markdown, writes its section of the results page.
 
-    python bench/async_robustness.py --out /tmp/ar --markdown docs/results.md
+    python bench/async_robustness.py --markdown docs/results.md
     python bench/async_robustness.py --out /tmp/ar --seeds 7 --starts scratch --H 50 \\
         --het very --methods sync --variant "lr1=dn-dylu --outer-lr 1.0"
 """
@@ -40,6 +42,7 @@ BEGIN = "<!-- begin: bench/async_robustness.py -->"
 END = "<!-- end: bench/async_robustness.py -->"
 NOTES = "<!-- async_robustness notes: kept when the bench rewrites this section -->"
 REFERENCE = ("async", "ddp")
+KEPT = Path(__file__).resolve().parent / "results" / "async_robustness"
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def run_args(cell: Cell, algo: str, extra: list[str], base: argparse.Namespace) 
     return args + extra
 
 
-SIM_CODE = ("diloco_peer/sim", "diloco_peer/config.py", "diloco_peer/averaging/outer.py",
+SIM_CODE = ("diloco_peer/sim", "diloco_peer/averaging/outer.py",
             "diloco_peer/peer/inner.py", "diloco_peer/peer/model.py", "diloco_peer/peer/data.py",
             "diloco_peer/coordinator_free/dylu.py", "diloco_peer/coordinator_free/sampler.py",
             "diloco_peer/cli/sim_cmd.py")  # fmt: skip
@@ -77,8 +80,12 @@ SIM_CODE = ("diloco_peer/sim", "diloco_peer/config.py", "diloco_peer/averaging/o
 
 
 def code_digest() -> str:
-    """A digest of SIM_CODE: a kept result counts only for the code that produced it."""
+    """A digest of SIM_CODE and the simulator's default settings: a kept result counts only for
+    the code that produced it."""
+    from diloco_peer.config import SimSpec
+
     root, h = Path(__file__).resolve().parent.parent, hashlib.sha256()
+    h.update(json.dumps(SimSpec().to_dict(), sort_keys=True).encode())
     for name in SIM_CODE:
         path = root / name
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
@@ -86,13 +93,15 @@ def code_digest() -> str:
     return h.hexdigest()[:12]
 
 
-def simulate(args: list[str], out: Path) -> dict[str, Any]:
+def simulate(args: list[str], out: Path, cached_only: bool = False) -> dict[str, Any] | None:
     """One `simulate` run, or its kept result when `out` holds it already (same flags, same
-    simulator code)."""
+    simulator code); with `cached_only`, None instead of a run."""
     key = hashlib.sha256(" ".join([CODE, *args]).encode()).hexdigest()[:16]
     path = out / f"{key}.json"
     if path.exists():
         return json.loads(path.read_text())
+    if cached_only:
+        return None
     cmd = [sys.executable, "-m", "diloco_peer", "simulate", "--json", "--threads", "1", *args]
     t0 = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -201,7 +210,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--out", type=Path, required=True, help="folder of kept run results")
+    p.add_argument("--out", type=Path, default=KEPT, help="folder of kept run results")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--starts", default="scratch,pre300", help="scratch and/or preN")
     p.add_argument("--H", default="25,50,100", help="inner steps of the fastest worker")
@@ -224,6 +233,11 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--total-steps", type=int, default=2400)
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="run nothing: summarize the kept runs (a grid stopped half way)",
+    )
     p.add_argument("--json", type=Path, help="write the document here too")
     p.add_argument("--markdown", type=Path, help="write the section into this page")
     a = p.parse_args()
@@ -243,8 +257,8 @@ def main() -> None:
             jobs += [(cell, m, run_args(cell, m, [], a)) for m in REFERENCE]
     t0 = time.time()
     with ThreadPoolExecutor(a.jobs) as pool:
-        done = list(pool.map(lambda job: simulate(job[2], a.out), jobs))
-    results = {(cell.name, name): r for (cell, name, _), r in zip(jobs, done, strict=True)}
+        done = list(pool.map(lambda job: simulate(job[2], a.out, a.cached_only), jobs))
+    results = {(cell.name, name): r for (cell, name, _), r in zip(jobs, done, strict=True) if r}
     names = [*methods, *(REFERENCE if a.reference_seeds else ())]
     doc = {
         "command": "python bench/async_robustness.py " + " ".join(sys.argv[1:]), "code": CODE,

@@ -231,6 +231,8 @@ class SimSpec:
             "eval_every",
         ):  # fmt: skip
             _non_negative(name, getattr(self, name))
+        if not 0 <= self.grace_share < 1:
+            raise ConfigError(f"grace_share must be in [0, 1), got {self.grace_share}")
         if not 0 <= self.drop_prob < 1:
             raise ConfigError(f"drop_prob must be in [0, 1), got {self.drop_prob}")
         if self.compute_schedule != "constant" and self.algo != "sync":

@@ -163,7 +163,10 @@ def test_simulate_without_json_prints_a_summary(tmp_path: Path) -> None:
         (["simulate", "--save", "/nonexistent-folder-xyz/m.safetensors"], "does not exist"),
         (["simulate", "--bogus"], "--bogus"),
         (["simulate", "--workers", "abc"], "--workers"),
+        (["simulate", "--algo", "dn-dylu", "--grace-share", "1.5"], "grace_share"),
         (["eval"], "checkpoint"),
+        # Delayed Nesterov with N = 1 is naive async: a founder must say how many peers
+        (["join", "--protocol", "async", "--max-rounds", "1"], "--expected-peers"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(args: list[str], fragment: str) -> None:

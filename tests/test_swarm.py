@@ -35,7 +35,8 @@ def test_demo_three_peers_agree_and_improve(demo_run: DemoRun) -> None:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("protocol", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_late_joiner_downloads_verified_state_then_agrees(swarm: LocalSwarm, protocol: str) -> None:
-    a, log_a = swarm.start("a", *NANO, "--protocol", protocol, "--max-rounds", "15")
+    a, log_a = swarm.start("a", *NANO, "--protocol", protocol, "--expected-peers", "1",
+                           "--max-rounds", "15")  # fmt: skip
     start = swarm.wait_event(log_a, "start", 90)
     swarm.wait_event(log_a, "round", 90, version=2)  # a alone: Lookahead rounds
     b, log_b = swarm.start("b", "--swarm", start["maddrs"][0], "--max-rounds", "3")

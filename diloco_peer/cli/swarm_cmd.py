@@ -156,6 +156,14 @@ def _founding(
     run_spec = dataclasses.replace(run_spec, **{k: v for k, v in overrides.items() if v})
     if expected_peers is not None:
         settings = dataclasses.replace(settings, expected_peers=expected_peers)
+    if (settings.protocol == "async" and run_spec.outer_optimizer == "delayed-nesterov"
+            and not run_spec.dn_buffer_size and not settings.expected_peers):  # fmt: skip
+        # N = 1 applies each group member's share as its own Nesterov step: naive async,
+        # which the async paper (and our simulator) found far worse than sync (ALGORITHMS §2.1)
+        raise BadInput(
+            "async mode needs --expected-peers N (Delayed Nesterov's buffer: about the number "
+            "of peers that will train), or dn_buffer_size in the run config"
+        )
     return run_spec, settings
 
 
