@@ -44,7 +44,7 @@ def phase_of(run: RunSpec, signed: object, *, peer: str = "PeerA", **controls: o
     training = build_training(run, SWARM, PeerSpec(threads=1), peer, signed.digest)  # type: ignore[attr-defined]
     ctl = {
         "stop": threading.Event(), "paused": threading.Event(), "on_step": lambda *a: None,
-        "publish_head": lambda: None, "expected_until": lambda: None, **controls,
+        "publish_head": lambda: None, "view": lambda: None, **controls,
     }  # fmt: skip
     return Phase(
         training, run=run, swarm=SWARM, me=peer, pinned_shard=-1, throttle=1.0,

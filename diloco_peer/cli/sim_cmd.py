@@ -57,11 +57,7 @@ def simulate(
     heterogeneity: str = typer.Option("none", help="Device speeds: none|slight|moderate|very."),
     jitter: float = typer.Option(0.0, help="Per-step log-normal jitter of virtual step times."),
     grace_s: float = typer.Option(0.0, help="Async grace period, virtual seconds."),
-    grace_share: float = typer.Option(
-        GRACE_SHARE,
-        help="Async grace period as a share of a phase, H at the fastest speed "
-        "(the swarm's default; the longer of the two wins).",
-    ),
+    grace_share: float = typer.Option(GRACE_SHARE, help="Async grace, share of a phase."),
     staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
     drop_prob: float = typer.Option(
         0.0, help="Sync: probability a contribution is lost (DiLoCo Fig. 8)."
@@ -122,9 +118,9 @@ def simulate(
     )  # fmt: skip
     spec = SimSpec(
         run=run, algo=algo, workers=workers, total_steps=total_steps, heterogeneity=heterogeneity,
-        jitter=jitter, grace_s=grace_s, grace_share=grace_share, staleness_threshold=staleness_threshold,
-        drop_prob=drop_prob, compute_schedule=compute_schedule, pretrain_steps=pretrain_steps,
-        init=str(init) if init else None, eval_every=eval_every, threads=threads,
+        jitter=jitter, grace_s=grace_s, grace_share=grace_share, drop_prob=drop_prob,
+        staleness_threshold=staleness_threshold, compute_schedule=compute_schedule, threads=threads,
+        pretrain_steps=pretrain_steps, init=str(init) if init else None, eval_every=eval_every,
     )  # fmt: skip
     _check_new_file(save, overwrite)
     _simulate(spec, save, json_out)

@@ -158,8 +158,8 @@ class Controls:
     on_step: Callable[[int, int, float], None]
     """Progress: (steps done, steps planned, loss)."""
     publish_head: Callable[[], None]
-    expected_until: Callable[[], float | None]
-    """Async: the latest end of the phases of peers expected within the grace period."""
+    view: Callable[[], SwarmView]
+    """The swarm as the last head read saw it."""
 
 
 class Phase:
@@ -344,6 +344,11 @@ class Phase:
     def _samples(self, done: list[int]) -> dict[int, int]:
         return {s: n * self.run.batch_size for s, n in enumerate(done) if n}
 
+    def _expected_until(self) -> float | None:
+        """Async: the latest end of the phases of peers expected within the grace period."""
+        view = self.controls.view()
+        return view.expected_until(get_dht_time(), self.t.grace_s(self.swarm, view))
+
     def _extend(
         self, planned: int, done: list[int], on_step: Callable[[int, float], None]
     ) -> tuple[int, float] | None:
@@ -354,7 +359,7 @@ class Phase:
         speed = self.t.trainer.speed.steps_per_s
         if not self.asynchronous or not speed:
             return None
-        until = self.controls.expected_until()
+        until = self._expected_until()
         if until is None:
             return None
         step_s, read = 1.0 / speed, time.perf_counter()
@@ -376,5 +381,5 @@ class Phase:
             loss_sum += loss
             extra += 1
             if time.perf_counter() - read >= ETA_REFRESH_S:  # they may have arrived or slipped
-                until, read = self.controls.expected_until(), time.perf_counter()
+                until, read = self._expected_until(), time.perf_counter()
         return (extra, loss_sum / extra) if extra else None

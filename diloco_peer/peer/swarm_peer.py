@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hivemind.utils import get_dht_time
 
 from diloco_peer.averaging.contribution import Limits
 from diloco_peer.averaging.state import ReplicatedState
@@ -218,7 +217,7 @@ class SwarmPeer:
             throttle=spec.throttle, activity=self.activity, counters=self.counters,
             in_flight=lambda counts, oldest: self.heads.book.in_flight(counts, time.time(), oldest),
             controls=Controls(self._stop, self._paused, self.on_step, self.heads.publish,
-                              self._expected_until),
+                              self.heads.view),
         )  # fmt: skip
         self.round = Round(
             me=self.peer_id, swarm=swarm, replica=self.replica, training=self.training,
@@ -333,10 +332,6 @@ class SwarmPeer:
         self.heads.publish()
         return True
 
-    def _expected_until(self) -> float | None:
-        view = self.heads.view()
-        return view.expected_until(get_dht_time(), self.training.grace_s(self.swarm, view))
-
     def finished(self) -> bool:
         """--max-rounds, --until-version or --until-steps reached, or a stop was requested."""
         return self._stop.is_set() or run_ended(
@@ -384,8 +379,7 @@ class SwarmPeer:
         if self.activity.eta is not None:  # a last phase that will not be contributed
             self.activity.idle()
             self.heads.publish()
-        asynchronous = self.swarm.protocol == "async"
-        start = time.time()
+        asynchronous, start = self.swarm.protocol == "async", time.time()
         grace_s = self.training.grace_s(self.swarm, self.heads.view())
         deadline = start + max(3.0, 2 * grace_s if asynchronous else 0)
         while not self._stop.is_set():
