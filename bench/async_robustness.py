@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,21 @@ def simulate(args: list[str], out: Path, cached_only: bool = False) -> dict[str,
 
 
 CODE = code_digest()
+
+
+def same_run_other_clock(
+    run: dict[str, Any], level: str, other: str, workers: int
+) -> dict[str, Any]:
+    """Sync DiLoCo at heterogeneity `other`, from its run at `level`: its rounds compute the
+    same θ at every level (each waits for the slowest worker), only the clock differs, and with
+    no jitter each round lasts H × the slowest worker's step time. So the run is the same with
+    its virtual times scaled by the ratio of the slowest step times; this saves a quarter of
+    the grid."""
+    from diloco_peer.sim.profiles import step_seconds
+
+    k = max(step_seconds(other, workers)) / max(step_seconds(level, workers))
+    curve = [dict(p, sim_time=p["sim_time"] * k) for p in run["curve"]]
+    return dict(run, sim_time=run["sim_time"] * k, curve=curve, derived_from=level)
 
 
 def parse_variants(raw: list[str]) -> dict[str, tuple[str, list[str]]]:
@@ -250,8 +265,11 @@ def main() -> None:
     methods = {m: (m, []) for m in a.methods.split(",")}
     methods.update(parse_variants(a.variant))
     jobs: list[tuple[Cell, str, list[str]]] = []
+    hets = a.het.split(",")
     for cell in cells:
         for name, (algo, extra) in methods.items():
+            if name == "sync" and cell.het != hets[0]:
+                continue  # derived from the first level's run (same_run_other_clock)
             jobs.append((cell, name, run_args(cell, algo, extra, a)))
         if cell.seed in seeds[: a.reference_seeds]:
             jobs += [(cell, m, run_args(cell, m, [], a)) for m in REFERENCE]
@@ -259,6 +277,10 @@ def main() -> None:
     with ThreadPoolExecutor(a.jobs) as pool:
         done = list(pool.map(lambda job: simulate(job[2], a.out, a.cached_only), jobs))
     results = {(cell.name, name): r for (cell, name, _), r in zip(jobs, done, strict=True) if r}
+    for cell in cells:
+        base = results.get((replace(cell, het=hets[0]).name, "sync"))
+        if "sync" in methods and cell.het != hets[0] and base:
+            results[(cell.name, "sync")] = same_run_other_clock(base, hets[0], cell.het, a.workers)
     names = [*methods, *(REFERENCE if a.reference_seeds else ())]
     doc = {
         "command": "python bench/async_robustness.py " + " ".join(sys.argv[1:]), "code": CODE,
