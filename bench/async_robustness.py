@@ -121,14 +121,18 @@ def simulate(args: list[str], out: Path, cached_only: bool = False) -> dict[str,
 CODE = code_digest()
 
 
+SAME_AT_EVERY_LEVEL = ("sync", "ddp")
+"""Methods whose run is the same at every heterogeneity but for its clock."""
+
+
 def same_run_other_clock(
     run: dict[str, Any], level: str, other: str, workers: int
 ) -> dict[str, Any]:
-    """Sync DiLoCo at heterogeneity `other`, from its run at `level`: its rounds compute the
-    same θ at every level (each waits for the slowest worker), only the clock differs, and with
-    no jitter each round lasts H × the slowest worker's step time. So the run is the same with
-    its virtual times scaled by the ratio of the slowest step times; this saves a quarter of
-    the grid."""
+    """Sync DiLoCo (or data parallel) at heterogeneity `other`, from its run at `level`: its
+    rounds (steps) compute the same θ at every level, each waiting for the slowest worker; only
+    the clock differs, and with no jitter each round lasts H (1) × the slowest worker's step
+    time. So the run is the same with its virtual times scaled by the ratio of the slowest step
+    times; this saves a quarter of the grid."""
     from diloco_peer.sim.profiles import step_seconds
 
     k = max(step_seconds(other, workers)) / max(step_seconds(level, workers))
@@ -266,21 +270,25 @@ def main() -> None:
     methods.update(parse_variants(a.variant))
     jobs: list[tuple[Cell, str, list[str]]] = []
     hets = a.het.split(",")
-    for cell in cells:
-        for name, (algo, extra) in methods.items():
-            if name == "sync" and cell.het != hets[0]:
-                continue  # derived from the first level's run (same_run_other_clock)
-            jobs.append((cell, name, run_args(cell, algo, extra, a)))
-        if cell.seed in seeds[: a.reference_seeds]:
-            jobs += [(cell, m, run_args(cell, m, [], a)) for m in REFERENCE]
+    for seed in seeds:  # a seed's methods in every setting, then its reference rows
+        mine = [cell for cell in cells if cell.seed == seed]
+        runs = [(cell, name, algo, extra) for cell in mine
+                for name, (algo, extra) in methods.items()]  # fmt: skip
+        if seed in seeds[: a.reference_seeds]:
+            runs += [(cell, m, m, []) for cell in mine for m in REFERENCE]
+        jobs += [(cell, name, run_args(cell, algo, extra, a)) for cell, name, algo, extra in runs
+                 if name not in SAME_AT_EVERY_LEVEL or cell.het == hets[0]]  # fmt: skip
     t0 = time.time()
     with ThreadPoolExecutor(a.jobs) as pool:
         done = list(pool.map(lambda job: simulate(job[2], a.out, a.cached_only), jobs))
     results = {(cell.name, name): r for (cell, name, _), r in zip(jobs, done, strict=True) if r}
-    for cell in cells:
-        base = results.get((replace(cell, het=hets[0]).name, "sync"))
-        if "sync" in methods and cell.het != hets[0] and base:
-            results[(cell.name, "sync")] = same_run_other_clock(base, hets[0], cell.het, a.workers)
+    for cell in cells:  # the runs other levels are derived from (same_run_other_clock)
+        for name in SAME_AT_EVERY_LEVEL:
+            base = results.get((replace(cell, het=hets[0]).name, name))
+            if cell.het != hets[0] and base:
+                results[(cell.name, name)] = same_run_other_clock(
+                    base, hets[0], cell.het, a.workers
+                )
     names = [*methods, *(REFERENCE if a.reference_seeds else ())]
     doc = {
         "command": "python bench/async_robustness.py " + " ".join(sys.argv[1:]), "code": CODE,
