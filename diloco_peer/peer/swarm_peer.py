@@ -381,7 +381,7 @@ class SwarmPeer:
             self.heads.publish()
         asynchronous, start = self.swarm.protocol == "async", time.time()
         grace_s = self.training.grace_s(self.swarm, self.heads.view())
-        deadline = start + max(3.0, 2 * grace_s if asynchronous else 0)
+        deadline = start + min(SETTLE_MAX_S, max(3.0, 2 * grace_s if asynchronous else 0))
         while not self._stop.is_set():
             self.catch_up()
             now = time.time()
