@@ -275,7 +275,7 @@ def main() -> None:
         runs = [(cell, name, algo, extra) for cell in mine
                 for name, (algo, extra) in methods.items()]  # fmt: skip
         if seed in seeds[: a.reference_seeds]:
-            runs += [(cell, m, m, []) for cell in mine for m in REFERENCE]
+            runs += [(cell, m, m, []) for m in REFERENCE for cell in mine]
         jobs += [(cell, name, run_args(cell, algo, extra, a)) for cell, name, algo, extra in runs
                  if name not in SAME_AT_EVERY_LEVEL or cell.het == hets[0]]  # fmt: skip
     t0 = time.time()
