@@ -367,8 +367,20 @@ def test_the_metrics_endpoint_serves_every_metric_in_the_exposition_format() -> 
                  "diloco_peer_bans_total", "diloco_peer_inner_steps_per_second"):  # fmt: skip
         assert name in values, name
     assert "diloco_peer_idle_fraction" not in values  # not known before the first step
+    assert "diloco_peer_compute_utilization" not in values
     assert "# TYPE diloco_peer_rounds_total counter" in text
     assert serve_metrics("127.0.0.1", -1, counters, gauges, {"peer": "p", "run": "t"}) is None
+
+
+def test_utilization_is_each_rounds_compute_over_its_wall_time() -> None:
+    counters = Counters(started_training=True, t_first_train=100.0)
+    counters.compute_s = 8.0  # the first phase, then 2 s in a group
+    counters.add_round(report(1), now=110.0)
+    assert counters.utilization == pytest.approx(0.8)
+    counters.compute_s += 3.0  # 3 s of training in the 5 s up to the next round
+    counters.add_round(report(2), now=115.0)
+    assert counters.utilization == pytest.approx(0.6)
+    assert Counters().utilization is None  # nothing trained, nothing reported
 
 
 @pytest.mark.timeout(60)

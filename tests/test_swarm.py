@@ -414,6 +414,9 @@ def test_metrics_endpoint_answers_while_training(swarm: LocalSwarm) -> None:
                  "diloco_peer_bans_total"):  # fmt: skip
         assert name in values, name
     assert values["diloco_peer_bans"] == 0  # nobody to ban here (tests/test_trust_swarm.py)
+    assert 0 < values["diloco_peer_compute_utilization"] <= 1
+    # alone, a peer trains nearly all the time: each round event says how much
+    assert all(0 < e["utilization"] <= 1 for e in read_log(log_a) if e["event"] == "round")
     assert "# TYPE diloco_peer_rounds_total counter" in text
     assert a.wait(timeout=120) == 0
 

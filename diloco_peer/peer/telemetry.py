@@ -59,6 +59,11 @@ class Counters:
     """Set once the first phase completed."""
     t_first_train: float = 0.0
     """When the first completed phase began (wall clock)."""
+    round_mark: tuple[float, float] | None = None
+    """(wall clock, compute_s) when the last applied round ended."""
+    utilization: float | None = None
+    """Compute seconds over wall seconds from the previous applied round's end (or the first
+    phase's start) to the last one's: the share of its time the device trained."""
 
     def active_s(self) -> float:
         """Seconds since the first training step (0 before it)."""
@@ -68,7 +73,13 @@ class Counters:
         active = self.active_s()
         return self.wait_s / active if active > 0 else None
 
-    def add_round(self, report: RoundReport) -> None:
+    def add_round(self, report: RoundReport, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        since, computed = self.round_mark or (self.t_first_train, 0.0)
+        wall = now - since
+        if self.started_training and wall > 0:
+            self.utilization = min(1.0, (self.compute_s - computed) / wall)
+        self.round_mark = (now, self.compute_s)
         self.rounds_done += 1
         self.contributions += 1
         self.bytes_sent += report.bytes_sent
@@ -126,7 +137,7 @@ class TensorBoard:
             "comm_s": report.comm_s, "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received, "staleness": report.staleness,
             "contributions": counters.contributions, "dropped": counters.dropped,
-            "idle_fraction": counters.idle_fraction(),
+            "idle_fraction": counters.idle_fraction(), "utilization": counters.utilization,
         }  # fmt: skip
         for name, value in scalars.items():
             if value is not None:
@@ -173,6 +184,8 @@ def collect(counters: Counters, gauges: Gauges) -> list[Metric]:
                c.compute_s),
         Metric("diloco_peer_wait_seconds_total", "counter",
                "Seconds spent waiting on other peers (groups, all-reduce, catch-up).", c.wait_s),
+        Metric("diloco_peer_compute_utilization", "gauge",
+               "Share of the last round's wall time spent training.", c.utilization),
         Metric("diloco_peer_idle_fraction", "gauge",
                "wait_seconds_total / seconds since the first training step.", c.idle_fraction()),
         Metric("diloco_peer_inner_steps_per_second", "gauge", "Measured inner-step speed.",
