@@ -314,7 +314,8 @@ class Round:
             contributions=(self.guard.contributions(result) if result is not None
                            else {self.me: [mine.steps, sum(mine.shard_samples.values())]}),
             compute_s=self.counters.compute_s, wait_s=self.counters.wait_s,
-            utilization=self.counters.utilization, dropped=self.counters.dropped, speed=self.training.trainer.speed.steps_per_s,
+            utilization=self.counters.utilization, dropped=self.counters.dropped,
+            speed=self.training.trainer.speed.steps_per_s,
         )  # fmt: skip
         status = RoundStatus.ALONE if result is None else RoundStatus.COMMITTED
         return RoundOutcome(status, report)
