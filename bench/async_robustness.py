@@ -193,7 +193,9 @@ def summarize(cells: list[Cell], results: dict[tuple[str, str], dict[str, Any]],
 
 
 def _f(x: float | None, digits: int = 3) -> str:
-    return "—" if x is None else f"{x:.{digits}f}"
+    if x is None:
+        return "—"
+    return f"{x:.2e}" if abs(x) >= 1e4 else f"{x:.{digits}f}"  # a diverged run: 7.68e+08
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -205,14 +207,15 @@ def render(doc: dict[str, Any]) -> str:
         "",
         f"`{doc['command']}`: nano, {doc['workers']} workers, {doc['total_steps']} local steps "
         "per run, every method at `simulate`'s defaults. *reach s*: virtual seconds until the "
-        "held-out ppl is at or below sync's final ppl (— never).",
+        "held-out ppl is at or below sync's final ppl (— never). "
+        f"Cells with a sync run: {len(doc['summary']['rows'])} of {doc['cells_planned']}.",
         "",
         head,
         "|" + "---|" * (2 + 2 * len(methods) + 1),
     ]
     for row in sorted(doc["summary"]["rows"], key=lambda r: (r["setting"], r["seed"])):
         cols = [row["cell"], _f(row["sync_ppl"])]
-        cols += [f"{_f(row[m]['ppl'])} ({row[m]['ratio']:.3f})" if m in row else "—"
+        cols += [f"{_f(row[m]['ppl'])} ({_f(row[m]['ratio'], 4)})" if m in row else "—"
                  for m in methods]  # fmt: skip
         cols += [_f(row[m]["reach_s"], 0) if m in row else "—" for m in methods]
         cols.append(_f(row["sync_reach_s"], 0))
@@ -220,7 +223,7 @@ def render(doc: dict[str, Any]) -> str:
     lines += ["", "| method | cells | median × sync | worst × sync | reaches sync's ppl sooner "
               "in every cell |", "|---|---|---|---|---|"]  # fmt: skip
     for m, s in doc["summary"]["methods"].items():
-        lines.append(f"| {m} | {s['cells']} | {s['median_ratio']:.3f} | {s['worst_ratio']:.3f} "
+        lines.append(f"| {m} | {s['cells']} | {_f(s['median_ratio'], 4)} | {_f(s['worst_ratio'], 4)} "
                      f"| {'yes' if s['sooner_everywhere'] else 'no'} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -295,6 +298,7 @@ def main() -> None:
         "workers": a.workers, "total_steps": a.total_steps, "methods_run": names,
         "variants": {n: [algo, *extra] for n, (algo, extra) in methods.items()},
         "summary": summarize(cells, results, names), "wall_s": time.time() - t0,
+        "cells_planned": len(cells),
     }  # fmt: skip
     text = json.dumps(doc, indent=1)
     print(text)
