@@ -55,9 +55,11 @@ MAX_INT = 2**63 - 1
 """Integers in configs and manifests beyond this are refused (JSON allows any size)."""
 DEFAULT_SHARDS = 8
 """Data shards of the built-in run (and of a swarm run whose num_shards is 0)."""
-GRACE_SHARE = 0.2
+GRACE_SHARE = 0.5
 """The asynchronous preset's grace period as a share of a phase, in the simulator and the
-swarm alike (ALGORITHMS §2.4; docs/results.md, the async grid's ablation)."""
+swarm alike (ALGORITHMS §2.4; docs/results.md, the async grid's notes: in the simulator any
+share that spans DyLU's spread of phase ends groups them, 0.1 as well as 0.5; a real swarm
+needs the longer window, spent training, to merge groups that drifted apart)."""
 MAX_SAFETENSORS_HEADER_BYTES = 1 << 20
 """The largest safetensors JSON header read from outside (a peer's state or update record, a
 checkpoint file): ours take ~100 bytes a tensor plus a little metadata, tens of kB for the

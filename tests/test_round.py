@@ -284,9 +284,9 @@ def test_async_without_a_group_retries_at_a_new_head_or_once_for_a_grouping_peer
     outcome = part.run(delta(), loss=2.0, t0=0.0)
     assert outcome.status is RoundStatus.ALONE and len(averager.calls) == 3
     # the grace period scales with the phase: H = 50 steps at the fastest speed, 2 steps/s,
-    # is 25 s, and 0.2 of it (5 s) is longer than grace_s (2 s)
-    assert part.swarm.grace_share == 0.2 and part.swarm.grace_s == 2.0
-    assert averager.calls[0]["matchmaking_timeout_s"] == 5.0
+    # is 25 s, and half of it (12.5 s) is longer than grace_s (2 s)
+    assert part.swarm.grace_share == 0.5 and part.swarm.grace_s == 2.0
+    assert averager.calls[0]["matchmaking_timeout_s"] == 12.5
 
 
 def test_left_out_of_a_group_keeps_the_delta_even_in_async_mode() -> None:
