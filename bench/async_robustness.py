@@ -26,7 +26,6 @@ import hashlib
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_section  # noqa: E402
-from paper_tables import time_to_reach  # noqa: E402
+from paper_tables import run_simulate, time_to_reach  # noqa: E402
 
 BEGIN = "<!-- begin: bench/async_robustness.py -->"
 END = "<!-- end: bench/async_robustness.py -->"
@@ -102,14 +101,11 @@ def simulate(args: list[str], out: Path, cached_only: bool = False) -> dict[str,
         return json.loads(path.read_text())
     if cached_only:
         return None
-    cmd = [sys.executable, "-m", "diloco_peer", "simulate", "--json", "--threads", "1", *args]
     t0 = time.time()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"run failed ({' '.join(args)}): {done.stderr.strip()[-500:]}")
-    result = json.loads(done.stdout)
-    doc = {"args": args, "code": CODE, "config": result["config"], "wall_s": time.time() - t0, "final_ppl": result["final_ppl"],
-           "sim_time": result["sim_time"], "outer_updates": result["outer_updates"],
+    result = run_simulate(args)
+    doc = {"args": args, "code": CODE, "config": result["config"], "wall_s": time.time() - t0,
+           "final_ppl": result["final_ppl"], "sim_time": result["sim_time"],
+           "outer_updates": result["outer_updates"],
            "curve": result["curve"], "mean_staleness": result.get("mean_staleness"),
            "idle_fraction": result.get("idle_fraction")}  # fmt: skip
     path.write_text(json.dumps(doc))

@@ -26,13 +26,18 @@ from pathlib import Path
 from typing import Any
 
 
-def simulate(args: list[str]) -> dict[str, Any]:
+def run_simulate(args: list[str]) -> dict[str, Any]:
+    """One `diloco-peer simulate --json` run with one torch thread; exits if it fails."""
     cmd = [sys.executable, "-m", "diloco_peer", "simulate", "--json", "--threads", "1", *args]
-    t0 = time.time()
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"run failed ({' '.join(args)}): {out.stderr.strip()[-500:]}")
-    result = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def simulate(args: list[str]) -> dict[str, Any]:
+    t0 = time.time()
+    result = run_simulate(args)
     algo = args[args.index("--algo") + 1]
     lr = args[args.index("--outer-lr") + 1] if "--outer-lr" in args else "-"
     print(f"[bench] {algo:8s} outer_lr={lr:4s} ppl={result['final_ppl']:.3f} "
