@@ -228,13 +228,9 @@ class SimSpec:
         _choice("compute schedule", self.compute_schedule, COMPUTE_SCHEDULES)
         _positive("workers", self.workers)
         _positive("total_steps", self.total_steps)
-        for name in (
-            "jitter", "grace_s", "grace_share", "staleness_threshold", "pretrain_steps",
-            "eval_every",
-        ):  # fmt: skip
+        for name in ("jitter", "grace_s", "staleness_threshold", "pretrain_steps", "eval_every"):
             _non_negative(name, getattr(self, name))
-        if not 0 <= self.grace_share < 1:
-            raise ConfigError(f"grace_share must be in [0, 1), got {self.grace_share}")
+        _share("grace_share", self.grace_share)
         if not 0 <= self.drop_prob < 1:
             raise ConfigError(f"drop_prob must be in [0, 1), got {self.drop_prob}")
         if self.compute_schedule != "constant" and self.algo != "sync":
@@ -244,6 +240,12 @@ class SimSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _share(name: str, value: float) -> None:
+    """A share of something: finite, in [0, 1)."""
+    if not (is_finite(value) and 0 <= value < 1):
+        raise ConfigError(f"{name} must be in [0, 1), got {value}")
 
 
 def is_finite(value: float) -> bool:
@@ -320,8 +322,7 @@ class SwarmSettings:
         _finite("sync_timeout_s", self.sync_timeout_s, 0, strict=True)
         _finite("allreduce_timeout_s", self.allreduce_timeout_s, 0, strict=True)
         _finite("grace_s", self.grace_s, 0, strict=False)
-        if not (is_finite(self.grace_share) and 0 <= self.grace_share < 1):
-            raise ConfigError(f"grace_share must be in [0, 1), got {self.grace_share}")
+        _share("grace_share", self.grace_share)
         if self.group_size < 1:
             raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
         if self.staleness_limit < 0:
