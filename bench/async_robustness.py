@@ -71,7 +71,7 @@ def run_args(cell: Cell, algo: str, extra: list[str], base: argparse.Namespace) 
     return args + extra
 
 
-SIM_CODE = ("diloco_peer/sim", "diloco_peer/averaging/outer.py",
+SIM_CODE = ("diloco_peer/sim", "diloco_peer/averaging/outer.py", "diloco_peer/averaging/outer_base.py",
             "diloco_peer/peer/inner.py", "diloco_peer/peer/model.py", "diloco_peer/peer/data.py",
             "diloco_peer/coordinator_free/dylu.py", "diloco_peer/coordinator_free/sampler.py",
             "diloco_peer/cli/sim_cmd.py")  # fmt: skip

@@ -36,6 +36,8 @@ AggregationName = Literal["mean", "trimmed-mean", "centered-clip"]
 CompressionName = Literal["none", "fp16", "int8", "int4"]
 """Pseudo-gradient encodings on the wire (averaging/compression.py)."""
 ComputeSchedule = Literal["constant", "doubling", "halving", "ramp-up", "ramp-down"]
+OverlapRule = Literal["none", "eager", "local"]
+"""Overlapped rounds (ALGORITHMS §1.1): off, or where the next phase starts before the fold."""
 ShardMode = Literal["iid", "non-iid"]
 Protocol = Literal["sync", "async"]
 Weighting = Literal["uniform", "samples"]
@@ -49,6 +51,7 @@ HETEROGENEITY: tuple[Heterogeneity, ...] = get_args(Heterogeneity)
 AGGREGATIONS: tuple[AggregationName, ...] = get_args(AggregationName)
 COMPRESSIONS: tuple[CompressionName, ...] = get_args(CompressionName)
 COMPUTE_SCHEDULES: tuple[ComputeSchedule, ...] = get_args(ComputeSchedule)
+OVERLAP_RULES: tuple[OverlapRule, ...] = get_args(OverlapRule)
 PROTOCOLS: tuple[Protocol, ...] = get_args(Protocol)
 
 MAX_INT = 2**63 - 1
@@ -207,6 +210,12 @@ class SimSpec:
     grace_share: float = GRACE_SHARE
     """Async grace period as a share of a phase (H steps at the fastest worker's speed); the
     window is the longer of the two (ALGORITHMS §2.4). The swarm's default, as there."""
+    comm_s: float = 0.0
+    """Virtual seconds one all-reduce takes (a sync round's, an async group's)."""
+    overlap: OverlapRule = "none"
+    """Overlapped rounds (ALGORITHMS §1.1): a worker starts its next phase as soon as its own
+    ends and folds the new θ_global in once the all-reduce is done. `eager` starts it from the
+    outer step previewed with its own δ, `local` from its own last local θ."""
     staleness_threshold: int = 10
     """async-polythres drops contributions staler than this."""
     drop_prob: float = 0.0
@@ -226,10 +235,12 @@ class SimSpec:
         _choice("algorithm", self.algo, SIM_ALGOS)
         _choice("heterogeneity", self.heterogeneity, HETEROGENEITY)
         _choice("compute schedule", self.compute_schedule, COMPUTE_SCHEDULES)
+        _choice("overlap rule", self.overlap, OVERLAP_RULES)
         _positive("workers", self.workers)
         _positive("total_steps", self.total_steps)
         for name in ("jitter", "grace_s", "staleness_threshold", "pretrain_steps", "eval_every"):
             _non_negative(name, getattr(self, name))
+        _finite("comm_s", self.comm_s, 0.0, strict=False)
         _share("grace_share", self.grace_share)
         if not 0 <= self.drop_prob < 1:
             raise ConfigError(f"drop_prob must be in [0, 1), got {self.drop_prob}")
@@ -237,6 +248,10 @@ class SimSpec:
             raise ConfigError("--compute-schedule other than 'constant' needs --algo sync")
         if self.drop_prob > 0 and self.algo != "sync":
             raise ConfigError("--drop-prob needs --algo sync")
+        if self.overlap != "none" and self.algo not in ("sync", "dn", "dn-dylu"):
+            raise ConfigError(f"--overlap needs --algo sync, dn or dn-dylu, not {self.algo}")
+        if self.overlap != "none" and (self.drop_prob > 0 or self.compute_schedule != "constant"):
+            raise ConfigError("--overlap is not modelled with --drop-prob or --compute-schedule")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

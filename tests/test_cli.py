@@ -164,6 +164,9 @@ def test_simulate_without_json_prints_a_summary(tmp_path: Path) -> None:
         (["simulate", "--bogus"], "--bogus"),
         (["simulate", "--workers", "abc"], "--workers"),
         (["simulate", "--algo", "dn-dylu", "--grace-share", "1.5"], "grace_share"),
+        (["simulate", "--overlap", "always"], "unknown overlap rule 'always'"),
+        (["simulate", "--algo", "async", "--overlap", "eager"], "--overlap needs"),
+        (["simulate", "--comm-s", "-3"], "comm_s"),
         (["eval"], "checkpoint"),
         # Delayed Nesterov with N = 1 is naive async: a founder must say how many peers
         (["join", "--protocol", "async", "--max-rounds", "1"], "--expected-peers"),

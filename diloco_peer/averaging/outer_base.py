@@ -7,6 +7,7 @@ the state is replicated on every peer (DESIGN.md §3) and never pickled.
 
 from __future__ import annotations
 
+import copy
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -148,6 +149,16 @@ class OuterOptimizer(ABC):
             if w is not p:
                 p.copy_(w)
         self._step += 1
+
+    @torch.no_grad()
+    def preview(
+        self, params: Sequence[Tensor], pseudo_grad_sum: Sequence[Tensor], count: int
+    ) -> list[Tensor]:
+        """What `step` would make of `params`, as new tensors; the state and `params` are left
+        as they are (an overlapped phase's eager start, ALGORITHMS §1.1)."""
+        out = [p.detach().clone() for p in params]
+        copy.deepcopy(self).step(out, pseudo_grad_sum, count)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically, as plain data.

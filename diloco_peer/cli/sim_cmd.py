@@ -58,10 +58,10 @@ def simulate(
     jitter: float = typer.Option(0.0, help="Per-step log-normal jitter of virtual step times."),
     grace_s: float = typer.Option(0.0, help="Async grace period, virtual seconds."),
     grace_share: float = typer.Option(GRACE_SHARE, help="Async grace, share of a phase."),
+    comm_s: float = typer.Option(0.0, help="Virtual seconds one all-reduce takes."),
+    overlap: str = typer.Option("none", help="Train through the all-reduce: none|eager|local."),
     staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
-    drop_prob: float = typer.Option(
-        0.0, help="Sync: probability a contribution is lost (DiLoCo Fig. 8)."
-    ),
+    drop_prob: float = typer.Option(0.0, help="Sync: chance a contribution is lost (Fig. 8)."),
     compute_schedule: str = typer.Option(
         "constant", help="Sync: constant|doubling|halving|ramp-up|ramp-down."
     ),
@@ -118,9 +118,10 @@ def simulate(
     )  # fmt: skip
     spec = SimSpec(
         run=run, algo=algo, workers=workers, total_steps=total_steps, heterogeneity=heterogeneity,
-        jitter=jitter, grace_s=grace_s, grace_share=grace_share, drop_prob=drop_prob,
-        staleness_threshold=staleness_threshold, compute_schedule=compute_schedule, threads=threads,
-        pretrain_steps=pretrain_steps, init=str(init) if init else None, eval_every=eval_every,
+        jitter=jitter, grace_s=grace_s, grace_share=grace_share, comm_s=comm_s, overlap=overlap,
+        drop_prob=drop_prob, staleness_threshold=staleness_threshold, threads=threads,
+        compute_schedule=compute_schedule, pretrain_steps=pretrain_steps, eval_every=eval_every,
+        init=str(init) if init else None,
     )  # fmt: skip
     _check_new_file(save, overwrite)
     _simulate(spec, save, json_out)

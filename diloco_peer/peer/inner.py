@@ -98,6 +98,13 @@ class InnerTrainer:
             for p, t in zip(self.params, theta, strict=True):
                 p.copy_(t, non_blocking=True)
 
+    @torch.no_grad()
+    def rebase(self, new_global: Sequence[torch.Tensor], old_base: Sequence[torch.Tensor]) -> None:
+        """θ_local ← θ_local + (new_global − old_base): the overlapped round's fold (ALGORITHMS
+        §1.1). The progress made since `old_base` is kept and moved onto `new_global`."""
+        for p, new, old in zip(self.params, new_global, old_base, strict=True):
+            p.add_((new.to(torch.float32) - old.to(torch.float32)).to(p.device, p.dtype))
+
     def snapshot(self) -> list[torch.Tensor]:
         """The replica's current parameters as fp32 CPU tensors (copies)."""
         return [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]

@@ -7,7 +7,9 @@ and `grace_share` of a phase (H at the fastest speed); everyone arriving inside 
 group. `dn`/`dn-dylu` hand each group to Delayed Nesterov as (sum, count), as a swarm's
 all-reduce group does; the naive baselines (`async`, `async-poly`, `async-polythres`,
 `async-buffer`) apply each contribution on its own as the paper's server does. When the group
-closes, its workers are handed their next phase.
+closes, its all-reduce takes `comm_s`; blocking, its workers start their next phase from the new
+θ_global after it; overlapped (ALGORITHMS §1.1), each started its next phase when its own ended
+and folds θ_global in when the all-reduce is done.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from diloco_peer.coordinator_free.dylu import dylu_phase_s, dylu_steps
 from diloco_peer.coordinator_free.sampler import ShardSampler
 from diloco_peer.peer.inner import Schedule
 from diloco_peer.sim.contributions import group_sum, mean_pairwise_cosine, plain_sum, uploaded
-from diloco_peer.sim.worker import Worker
+from diloco_peer.sim.worker import Worker, eager_start, overlapped_phase, steps_before
 
 if TYPE_CHECKING:
     from diloco_peer.sim.simulator import Simulator
@@ -55,11 +57,14 @@ class AsyncRun:
         self.version = 0  # contributions applied so far; staleness is measured in these
         self.assigned, self.updates, self.dropped = 0, 0, 0
         self.staleness: list[int] = []
+        self.last_fold = 0.0  # when the last group's all-reduce is done
+        # The eager rule's guess of a group's size: every worker (what DyLU aims at).
+        self.eager_n = spec.workers
 
     def run(self) -> dict[str, Any]:
         """Deliver phases in virtual-time order until the step budget is spent."""
         for w in self.workers:
-            self._start(w, 0.0)
+            self._start(w, 0.0, 0.0)
         group: list[Worker] = []
         window_open = math.inf  # arrival time of the group's first member
         grace_s = 0.0  # the open window's length
@@ -71,7 +76,7 @@ class AsyncRun:
                 self.sim.now = nxt.finish
                 if not group:
                     window_open, grace_s = nxt.finish, self._grace_s()
-                nxt.finish = math.inf
+                nxt.free_at, nxt.finish = nxt.finish, math.inf
                 group.append(nxt)
                 if self.algo not in GROUPED_ALGOS:
                     with torch.no_grad():
@@ -82,6 +87,7 @@ class AsyncRun:
             close = min(window_open + grace_s, nxt.finish) if nxt else self.sim.now
             self._close_group(group, close)
             group, window_open = [], math.inf
+        self.sim.now = max(self.sim.now, self.last_fold)
         return self._result()
 
     def _grace_s(self) -> float:
@@ -98,8 +104,9 @@ class AsyncRun:
             return dylu_steps(speeds, self.run_spec.inner_steps)[w.index]
         return self.run_spec.inner_steps
 
-    def _start(self, w: Worker, now: float) -> None:
-        """Run `w`'s next phase from the current θ_global (on a shard the sampler picks) and
+    def _start(self, w: Worker, start: float, fold_at: float) -> None:
+        """Run `w`'s next phase from virtual time `start` (on a shard the sampler picks), with
+        the current θ_global folded in at `fold_at` (from the start when that is no later), and
         schedule its delivery; nothing when the step budget is spent."""
         r = self.run_spec
         left = self.spec.total_steps - self.assigned
@@ -110,15 +117,15 @@ class AsyncRun:
         self.shard_samples[s] += steps * r.batch_size
         self.assigned += steps
         stream = self.streams[s]
-        w.phase = w.trainer.run_phase(
-            self.sim.theta, steps, lambda: [stream.next_batch()], self.schedules[s],
-            self.shard_steps[s],
+        w.phase = overlapped_phase(
+            w.trainer, self.sim.theta, steps, steps_before(w.clock, start, fold_at, steps),
+            lambda: [stream.next_batch()], self.schedules[s], self.shard_steps[s], w.start_from,
         )  # fmt: skip
         self.shard_steps[s] += steps
         duration = w.clock.duration(steps)
         w.speed.update(steps, duration)
         w.busy_s += duration
-        w.finish, w.base_version = now + duration, self.version
+        w.finish, w.base_version = max(start + duration, fold_at), self.version
 
     def _apply_one(self, w: Worker) -> None:
         """A naive baseline's server applies one contribution on arrival (or buffers it)."""
@@ -143,11 +150,14 @@ class AsyncRun:
 
     def _close_group(self, group: list[Worker], close: float) -> None:
         """The grace window closes at virtual time `close`: `dn` applies the group as one
-        contribution; every member starts its next phase."""
+        contribution, its all-reduce done `comm_s` later; every member starts its next phase."""
         deltas = [w.phase.delta for w in group]
         cos = mean_pairwise_cosine(deltas)
         if cos is not None:
             self.sim.cosines.append(cos)
+        if self.spec.overlap == "eager":  # from the state the group is applied to
+            for w in group:
+                w.start_from = eager_start(self.outer, self.sim.theta, w.phase.delta, self.eager_n)
         if self.algo in GROUPED_ALGOS:
             self.staleness.extend(self.version - w.base_version for w in group)
             with torch.no_grad():
@@ -155,10 +165,12 @@ class AsyncRun:
             self.version += len(group)
             self.updates += 1
         self.sim.now = max(self.sim.now, close)
-        self.sim.progress(sum(w.phase.steps for w in group))
+        self.last_fold = self.sim.now + self.spec.comm_s
+        self.sim.progress(sum(w.phase.steps for w in group), at=self.last_fold)
         for w in group:
             w.phase = None
-            self._start(w, self.sim.now)
+            overlap = self.spec.overlap != "none"
+            self._start(w, w.free_at if overlap else self.last_fold, self.last_fold)
 
     def _result(self) -> dict[str, Any]:
         total_samples = sum(self.shard_samples) or 1

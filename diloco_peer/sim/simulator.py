@@ -2,7 +2,9 @@
 
 Real training (the same model, data, inner loop and outer optimizers a peer uses), fake clocks:
 each worker's inner steps take the virtual time of its device profile (ALGORITHMS §2.8), so the
-papers' wall-clock experiments run on one CPU, reproducibly. Communication time is not modelled.
+papers' wall-clock experiments run on one CPU, reproducibly. An all-reduce takes `comm_s` virtual
+seconds (0 by default); blocking rounds wait for it, overlapped ones (ALGORITHMS §1.1) train
+through it.
 
 Because a local phase depends only on the θ it starts from, a worker's phase is computed when it
 starts and its result is delivered at its virtual finish time. Ties are broken by worker index.
@@ -36,7 +38,7 @@ from diloco_peer.peer.model import Transformer, build_model
 from diloco_peer.sim.async_run import AsyncRun
 from diloco_peer.sim.contributions import group_sum, mean_pairwise_cosine
 from diloco_peer.sim.profiles import StepClock, step_seconds
-from diloco_peer.sim.worker import Worker
+from diloco_peer.sim.worker import Worker, eager_start, overlapped_phase, steps_before
 
 ProgressFn = Callable[[int, int], None]
 
@@ -148,12 +150,13 @@ class Simulator:
         """Perplexity of the global model on the held-out windows."""
         return perplexity(evaluate_loss(self.model, self.data.val))
 
-    def progress(self, steps: int) -> None:
-        """Count `steps` more local steps (delivered phases) and evaluate when one is due."""
+    def progress(self, steps: int, at: float | None = None) -> None:
+        """Count `steps` more local steps (delivered phases) and evaluate when one is due; the
+        point's time is `at` (when the update is done everywhere), by default now."""
         self.local_steps += steps
         self.on_progress(self.local_steps, self.spec.total_steps)
         if self.local_steps >= self._next_eval:
-            self._record()
+            self._record(self.now if at is None else at)
             while self._next_eval <= self.local_steps:
                 self._next_eval += self.eval_every
 
@@ -161,8 +164,9 @@ class Simulator:
         """Each worker's idle share of the run's virtual time, from its busy seconds."""
         return [max(0.0, 1 - b / self.now) if self.now > 0 else 0.0 for b in busy]
 
-    def _record(self) -> None:
-        point = {"local_steps": self.local_steps, "sim_time": self.now, "ppl": self.eval_ppl()}
+    def _record(self, at: float | None = None) -> None:
+        at = self.now if at is None else at
+        point = {"local_steps": self.local_steps, "sim_time": at, "ppl": self.eval_ppl()}
         if not self.curve or self.curve[-1]["local_steps"] != self.local_steps:
             self.curve.append(point)
 
@@ -239,7 +243,10 @@ class Simulator:
 
     def _run_sync(self) -> dict[str, Any]:
         """DiLoCo (ALGORITHMS §1): rounds of H steps on every active worker, then one outer step
-        on the average of the contributions that arrived."""
+        on the average of the contributions that arrived, `comm_s` after the last phase ends.
+        Blocking, every worker starts its next phase from the new θ_global once it exists;
+        overlapped (ALGORITHMS §1.1), as soon as its own phase ends, folding θ_global in when
+        the all-reduce is done."""
         spec, r = self.spec, self.run_spec
         k = spec.workers
         shards = self.shards(r.num_shards or k)
@@ -256,28 +263,29 @@ class Simulator:
             steps = min(r.inner_steps, (spec.total_steps - assigned) // m)
             if steps < 1:
                 break
-            arrived, durations = [], []
+            arrived = []
             for w in workers[:m]:
                 s = w.index % len(shards)
-                phase = w.trainer.run_phase(
-                    self.theta,
-                    steps,
-                    lambda s=s: [streams[s].next_batch()],
-                    schedules[s],
-                    shard_steps[s],
-                    from_local=w.keep_local,
-                )
+                start = w.free_at if spec.overlap != "none" else self.now
+                fold_after = steps_before(w.clock, start, self.now, steps)
+                # A dropped contribution's worker continues from its local θ (DiLoCo Fig. 8).
+                phase = overlapped_phase(
+                    w.trainer, self.theta, steps, -1 if w.keep_local else fold_after,
+                    lambda s=s: [streams[s].next_batch()], schedules[s], shard_steps[s],
+                    w.start_from,
+                )  # fmt: skip
                 shard_steps[s] += steps
-                durations.append(w.clock.duration(steps))
+                duration = w.clock.duration(steps)
+                w.busy_s += duration
+                w.free_at = max(start + duration, self.now)
                 w.keep_local = spec.drop_prob > 0 and drop_rng.random() < spec.drop_prob
                 if w.keep_local:
                     dropped += 1
                 else:
                     arrived.append(phase.delta)
-            round_s = max(durations)
-            for w, d in zip(workers[:m], durations, strict=True):
-                w.busy_s += d
-            self.now += round_s
+                if spec.overlap == "eager":  # overlap excludes drops: every δ arrives
+                    w.start_from = eager_start(outer, self.theta, phase.delta, m)
+            self.now = max(w.free_at for w in workers[:m]) + spec.comm_s
             assigned += steps * m
             if arrived:
                 cos = mean_pairwise_cosine(arrived)

@@ -1,13 +1,17 @@
 """One simulated worker: its replica's inner trainer, its device's virtual clock, and the
-phase it is running."""
+phase it is running; and the overlapped phase (ALGORITHMS §1.1) both simulated algorithms run."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from diloco_peer.averaging.outer_base import OuterOptimizer
 from diloco_peer.coordinator_free.dylu import SpeedMeter
-from diloco_peer.peer.inner import InnerTrainer, PhaseResult
+from diloco_peer.peer.inner import InnerTrainer, PhaseResult, Schedule
 from diloco_peer.sim.profiles import StepClock
 
 
@@ -28,3 +32,57 @@ class Worker:
     phase: PhaseResult | None = None
     keep_local: bool = False
     """Its last contribution was dropped: it continues from its local θ (sync `drop_prob`)."""
+    free_at: float = 0.0
+    """Virtual time its last phase ended (overlapped runs start the next one there)."""
+    start_from: list[torch.Tensor] | None = None
+    """Where its next overlapped phase starts under the `eager` rule (None: its own local θ)."""
+
+
+def steps_before(clock: StepClock, start: float, fold_at: float, steps: int) -> int:
+    """Inner steps a phase that starts at `start` runs before an update that arrives at
+    `fold_at` is folded in: the step under way when it arrives finishes first (mean step time,
+    no jitter); at most `steps`."""
+    if fold_at <= start:
+        return 0
+    return min(steps, math.ceil((fold_at - start) / clock.seconds_per_step - 1e-9))
+
+
+def eager_start(
+    outer: OuterOptimizer, theta: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], n: int
+) -> list[torch.Tensor]:
+    """The eager rule's start (ALGORITHMS §1.1): the outer step from θ_global previewed as if
+    each of the `n` contributions it expects equalled this worker's own fresh δ."""
+    return outer.preview(theta, [t * n for t in delta], n)
+
+
+def overlapped_phase(
+    trainer: InnerTrainer,
+    theta: Sequence[torch.Tensor],
+    steps: int,
+    fold_after: int,
+    next_batches: Callable[[], Sequence[torch.Tensor]],
+    schedule: Schedule,
+    start_step: int,
+    start_from: Sequence[torch.Tensor] | None = None,
+) -> PhaseResult:
+    """A local phase that starts from `start_from` (by default the replica's own parameters,
+    where its last phase ended) and folds in the new global state `theta` after `fold_after`
+    steps, keeping the progress made since the start (ALGORITHMS §1.1); its δ is measured
+    against `theta`. With `fold_after` 0 it is the blocking phase from `theta`; with a negative
+    one nothing is folded in (a sync worker whose contribution was dropped continues from its
+    local θ, DiLoCo Fig. 8)."""
+    if fold_after <= 0:
+        return trainer.run_phase(theta, steps, next_batches, schedule, start_step,
+                                 from_local=fold_after < 0)  # fmt: skip
+    if start_from is not None:
+        trainer.load_params(start_from)
+    base = trainer.snapshot()
+    loss, samples = trainer.train(fold_after, next_batches, schedule, start_step)
+    trainer.rebase(theta, base)
+    rest = steps - fold_after
+    if rest <= 0:
+        return PhaseResult(trainer.delta_from(theta), steps, samples, loss, 0.0)
+    tail = trainer.run_phase(theta, rest, next_batches, schedule, start_step + fold_after,
+                             from_local=True)  # fmt: skip
+    mean_loss = (loss * fold_after + tail.mean_loss * rest) / steps
+    return PhaseResult(tail.delta, steps, samples + tail.samples, mean_loss, tail.seconds)

@@ -1,0 +1,153 @@
+"""Overlapped rounds in the simulator (ALGORITHMS §1.1): the fold, the eager start, the virtual
+clock, and that nothing changes when there is nothing to overlap."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from diloco_peer.averaging.outer import build_outer_optimizer
+from diloco_peer.config import RunSpec, SimSpec
+from diloco_peer.errors import ConfigError
+from diloco_peer.peer.inner import InnerTrainer, Schedule
+from diloco_peer.peer.model import build_model
+from diloco_peer.sim.profiles import VERY, StepClock
+from diloco_peer.sim.simulator import Simulator
+from diloco_peer.sim.worker import overlapped_phase, steps_before
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+GEO = math.prod(VERY) ** (1 / len(VERY))
+BUDGET, WORKERS, H = 40, 4, 5  # H is SMALL_RUN.inner_steps
+
+
+def _simulate(run: RunSpec, **kwargs: Any) -> dict[str, Any]:
+    run_fields = {k: kwargs.pop(k) for k in list(kwargs) if k in RunSpec.__dataclass_fields__}
+    kwargs = {"workers": WORKERS, "total_steps": BUDGET, "threads": 1, **kwargs}
+    return Simulator(SimSpec(run=dataclasses.replace(run, **run_fields), **kwargs)).run()
+
+
+def _without_config(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k != "config"}
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def test_steps_before_the_fold() -> None:
+    clock = StepClock(2.0, 0.0, seed=0)
+    assert steps_before(clock, 10.0, 10.0, 50) == 0  # the update is there when it starts
+    assert steps_before(clock, 10.0, 5.0, 50) == 0
+    assert steps_before(clock, 10.0, 14.0, 50) == 2  # exactly two steps
+    assert steps_before(clock, 10.0, 14.5, 50) == 3  # the step under way finishes first
+    assert steps_before(clock, 0.0, 1e6, 50) == 50  # arrives after the phase: at its end
+
+
+def test_preview_leaves_the_optimizer_and_params_alone() -> None:
+    opt = build_outer_optimizer("nesterov", lr=0.7, momentum=0.9)
+    theta = [torch.ones(3)]
+    opt.step(theta, [torch.full((3,), 0.1)], 1)  # momentum is not zero any more
+    before = (opt.state_dict(), [t.clone() for t in theta])
+    seen = opt.preview(theta, [torch.full((3,), 0.2)], 1)
+    after = opt.state_dict()
+    assert torch.equal(theta[0], before[1][0])
+    assert torch.equal(after["tensors"]["m.0"], before[0]["tensors"]["m.0"])
+    assert after["counters"] == before[0]["counters"]
+    opt.step(theta, [torch.full((3,), 0.2)], 1)
+    assert torch.equal(seen[0], theta[0])  # what the step then does
+
+
+def test_rebase_keeps_the_progress_since_the_base(small_run: RunSpec) -> None:
+    trainer = InnerTrainer(build_model(small_run.model, 64, 0, max_seq_len=16), small_run)
+    base = trainer.snapshot()
+    with torch.no_grad():
+        for p in trainer.params:
+            p.add_(0.5)  # progress since the base
+    new_global = [t + 2.0 for t in base]
+    trainer.rebase(new_global, base)
+    for p, g in zip(trainer.params, new_global, strict=True):
+        assert torch.allclose(p, g + 0.5)
+
+
+def test_a_fold_after_zero_steps_is_the_blocking_phase(small_run: RunSpec) -> None:
+    def phase(fold_after: int, start_from: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = build_model(small_run.model, 64, 0, max_seq_len=16)
+        trainer = InnerTrainer(model, small_run)
+        theta = [t + 0.01 for t in trainer.snapshot()]
+        gen = torch.Generator().manual_seed(1)
+        batches = lambda: [torch.randint(0, 64, (2, 17), generator=gen)]  # noqa: E731
+        schedule = Schedule.for_run(small_run, 100)
+        return overlapped_phase(trainer, theta, 3, fold_after, batches, schedule, 0,
+                                start_from).delta  # fmt: skip
+
+    blocking = phase(0, None)
+    assert all(torch.equal(a, b) for a, b in zip(blocking, phase(0, [torch.zeros(1)]), strict=True))
+    folded = phase(2, None)  # two steps from its own θ, then the fold
+    assert not all(torch.equal(a, b) for a, b in zip(blocking, folded, strict=True))
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@pytest.mark.parametrize("algo", ["sync", "dn-dylu"])
+@pytest.mark.parametrize("rule", ["eager", "local"])
+def test_nothing_to_overlap_gives_the_blocking_run(
+    small_run: RunSpec, algo: str, rule: str
+) -> None:
+    # Equal devices and an instant all-reduce: every update is there when the next phase starts.
+    blocking = _simulate(small_run, algo=algo)
+    overlapped = _simulate(small_run, algo=algo, overlap=rule)
+    assert _without_config(overlapped) == _without_config(blocking)
+
+
+def test_blocking_sync_rounds_wait_for_the_all_reduce(small_run: RunSpec) -> None:
+    rounds = BUDGET // (WORKERS * H)
+    result = _simulate(small_run, algo="sync", comm_s=7.0)
+    assert result["sim_time"] == pytest.approx(rounds * (H * GEO + 7.0))
+    busy = rounds * H * GEO / result["sim_time"]
+    assert result["idle_fraction"] == pytest.approx([1 - busy] * WORKERS)
+
+
+@pytest.mark.parametrize("algo", ["sync", "dn-dylu"])
+@pytest.mark.parametrize("rule", ["eager", "local"])
+def test_overlap_trains_through_the_all_reduce(small_run: RunSpec, algo: str, rule: str) -> None:
+    comm = 0.5 * H * GEO  # half a phase
+    blocking = _simulate(small_run, algo=algo, comm_s=comm)
+    overlapped = _simulate(small_run, algo=algo, comm_s=comm, overlap=rule)
+    assert overlapped["local_steps"] == blocking["local_steps"] == BUDGET
+    assert overlapped["outer_updates"] == blocking["outer_updates"]
+    # Only the last all-reduce is waited for: every other one is hidden behind a phase.
+    updates = blocking["outer_updates"]
+    assert blocking["sim_time"] == pytest.approx(updates * (H * GEO + comm))
+    assert overlapped["sim_time"] == pytest.approx(updates * H * GEO + comm)
+    assert max(overlapped["idle_fraction"]) < min(blocking["idle_fraction"])
+    # The phases really started before their update was known: another model.
+    assert overlapped["final_ppl"] != blocking["final_ppl"]
+    assert math.isfinite(overlapped["final_ppl"])
+    assert overlapped["final_ppl"] < 0.5 * overlapped["initial_ppl"]
+
+
+def test_the_two_rules_start_from_different_places(small_run: RunSpec) -> None:
+    kwargs: dict[str, Any] = {"algo": "sync", "comm_s": 0.5 * H * GEO}
+    eager = _simulate(small_run, overlap="eager", **kwargs)
+    local = _simulate(small_run, overlap="local", **kwargs)
+    assert eager["sim_time"] == local["sim_time"]
+    assert eager["final_ppl"] != local["final_ppl"]
+
+
+def test_overlap_settings_are_checked(small_run: RunSpec) -> None:
+    with pytest.raises(ConfigError, match="overlap rule"):
+        SimSpec(run=small_run, overlap="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="--overlap needs"):
+        SimSpec(run=small_run, algo="async", overlap="eager")
+    with pytest.raises(ConfigError, match="not modelled"):
+        SimSpec(run=small_run, algo="sync", overlap="eager", drop_prob=0.5)
+    with pytest.raises(ConfigError, match="comm_s"):
+        SimSpec(run=small_run, comm_s=-1.0)
+    with pytest.raises(ConfigError, match="comm_s"):
+        SimSpec(run=small_run, comm_s=math.inf)
