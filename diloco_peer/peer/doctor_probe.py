@@ -108,7 +108,8 @@ def _measure(
     own, peers = _call(dht, _addrs, left(5)) or ([], [])
     m["own_addrs"], m["peer_addrs"] = own, sorted({*swarm, *peers})
     if m["validated"]:
-        m["dial_wait_s"] = left(HEARTBEAT_S + 5)
+        # a peer stores its head (and so dials us) every HEARTBEAT_S; a loaded peer may miss one
+        m["dial_wait_s"] = left(2 * HEARTBEAT_S + 5)
         progress(f"hanging up; waiting up to {m['dial_wait_s']:.0f} s for a peer to dial back")
         m["dialed_back_s"] = _call(dht, functools.partial(_dialed_back, wait_s=m["dial_wait_s"]),
                                    m["dial_wait_s"] + 5)  # fmt: skip
