@@ -167,6 +167,10 @@ def test_simulate_without_json_prints_a_summary(tmp_path: Path) -> None:
         (["simulate", "--overlap", "always"], "unknown overlap rule 'always'"),
         (["simulate", "--algo", "async", "--overlap", "eager"], "--overlap needs"),
         (["simulate", "--comm-s", "-3"], "comm_s"),
+        (["simulate-swarm", "--peers", "0"], "peers"),
+        (["simulate-swarm", "--hierarchy", "tree"], "hierarchy"),
+        (["simulate-swarm", "--hours", "nan"], "hours"),
+        (["simulate-swarm", "--protocol", "async", "--grace-s", "0"], "grace_s"),
         (["eval"], "checkpoint"),
         # Delayed Nesterov with N = 1 is naive async: a founder must say how many peers
         (["join", "--protocol", "async", "--max-rounds", "1"], "--expected-peers"),
@@ -174,6 +178,18 @@ def test_simulate_without_json_prints_a_summary(tmp_path: Path) -> None:
 )
 def test_bad_flags_are_one_line_and_exit_2(args: list[str], fragment: str) -> None:
     assert_bad_input(cli(*args), fragment)
+
+
+def test_simulate_swarm_prints_one_document_and_a_summary_without_json() -> None:
+    args = ["simulate-swarm", "--peers", "8", "--group-size", "4", "--hierarchy", "two-stage",
+            "--hours", "0.2"]  # fmt: skip
+    doc = one_json_doc(cli(*args, "--json"))
+    assert doc["config"]["peers"] == 8 and doc["config"]["hierarchy"] == "two-stage"
+    assert doc["versions"] > 0 and doc["forks"] == 0
+    assert 0 < doc["applied_fraction"] <= 1
+    text = cli(*args)
+    assert text.rc == 0 and f"{doc['versions']} versions" in text.stdout
+    assert "applied share" in text.stdout
 
 
 @pytest.mark.parametrize("json_flag", [["--json"], []])

@@ -11,11 +11,15 @@ import pytest
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.swarm_view import (
     SPEED_CAP,
+    GroupPlan,
     HeadBook,
     HeadChoice,
     SwarmView,
     bans,
     forks,
+    group_plan,
+    phase_steps,
+    probe_steps,
 )
 
 A, B, C, D = "Apeer", "Bpeer", "Cpeer", "Dpeer"
@@ -375,3 +379,37 @@ def test_status_lists_live_peers_newest_first_with_forks_and_bans() -> None:
     assert [p["banned_by"] for p in doc["peers"]] == [0, 0, 2]
     assert doc["peers"][0]["rss_mb"] == 120.0 and doc["peers"][0]["last_seen_s"] == 1.0
     assert status_document("t", {}, NOW)["head_version"] is None
+
+
+# ----------------------------------------------------------------------------- round plans
+
+
+def test_group_plan_sync_waits_for_every_live_peer_capped_at_the_group_size() -> None:
+    v = view(head(A), head(B, version=1), head(C, eta=NOW + 999))
+    plan = group_plan(v, asynchronous=False, now=NOW, grace_s=5, group_size=64, sync_timeout_s=30)
+    assert plan == GroupPlan((A, B, C), target_size=4, timeout_s=30)
+    small = group_plan(v, asynchronous=False, now=NOW, grace_s=5, group_size=2, sync_timeout_s=30)
+    assert small is not None and small.target_size == 2
+
+
+def test_group_plan_async_waits_only_for_peers_due_within_the_grace() -> None:
+    v = view(
+        head(A, eta=NOW + 3, speed=1.0), head(B, eta=NOW + 99, speed=1.0),
+        head(C, in_group=True, speed=1.0), head(D, version=2, in_group=True, speed=1.0),
+    )  # fmt: skip
+    plan = group_plan(v, asynchronous=True, now=NOW, grace_s=5, group_size=64, sync_timeout_s=30)
+    assert plan == GroupPlan((A, C), target_size=3, timeout_s=5)
+    nobody = view(head(B, eta=NOW + 99, speed=1.0))
+    assert group_plan(nobody, asynchronous=True, now=NOW, grace_s=5, group_size=64,
+                      sync_timeout_s=30) is None  # fmt: skip
+    assert group_plan(view(), asynchronous=False, now=NOW, grace_s=5, group_size=64,
+                      sync_timeout_s=30) is None  # fmt: skip
+
+
+def test_phase_steps_are_h_in_sync_a_probe_first_then_dylu() -> None:
+    v = view(head(A, speed=2.0))
+    assert phase_steps(v, None, inner_steps=50, asynchronous=False) == 50
+    assert phase_steps(v, None, inner_steps=50, asynchronous=True) == probe_steps(50) == 3
+    assert probe_steps(2) == 1
+    assert phase_steps(v, 1.0, inner_steps=50, asynchronous=True) == 25  # half A's speed
+    assert phase_steps(v, 4.0, inner_steps=50, asynchronous=True) == 50

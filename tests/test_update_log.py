@@ -24,6 +24,7 @@ from diloco_peer.coordinator_free.update_log import (
     log_capacity,
     peek_update,
     replay_horizon,
+    replays,
 )
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -446,3 +447,10 @@ def test_replaying_recorded_updates_reproduces_every_state_hash() -> None:
         assert behind.hash() == record.result_hash == hashes[behind.version]
     assert behind.version == head.version == 3
     assert behind.shard_samples == head.shard_samples == [32, 64, 96, 0]
+
+
+def test_catch_up_replays_within_the_window_and_heals_a_fork_at_its_own_version() -> None:
+    assert replays(1, 2) and replays(2, 2)
+    assert not replays(3, 2)  # further behind: the full state costs less
+    assert replays(0, 2)  # a fork at our version: the winner's update from our parent
+    assert not replays(0, 0) and not replays(1, 0)  # no log: always the full state

@@ -24,6 +24,7 @@ from diloco_peer.cli import (  # noqa: F401
     plot_cmd,
     sim_cmd,
     swarm_cmd,
+    swarm_sim_cmd,
 )
 from diloco_peer.cli.app import app, fail
 from diloco_peer.errors import BadInput

@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco_peer.config import PeerSpec
-from diloco_peer.coordinator_free.dylu import dylu_phase_s
+from diloco_peer.coordinator_free.dylu import dylu_phase_s, dylu_steps
 from diloco_peer.coordinator_free.records import PeerHead
 
 HEAD_TTL_S = 60.0
@@ -321,6 +321,56 @@ class SwarmView:
                 continue  # gone, or its plan is already counted as in flight
             unseen += steps_of.get(p, probe_steps)
         return unseen
+
+
+def probe_steps(inner_steps: int) -> int:
+    """The steps of a peer's first async phase, before it has measured its speed: at most 3,
+    so that a slow device learns it is slow before it holds the others up."""
+    return max(1, min(3, inner_steps // 4))
+
+
+def phase_steps(
+    view: SwarmView, speed: float | None, *, inner_steps: int, asynchronous: bool
+) -> int:
+    """Inner steps of this peer's next phase (DESIGN §3 step 2): H in sync mode; in async mode
+    DyLU (Eq. 6) over the speeds live peers publish, ours `speed` (None: a probe phase)."""
+    if not asynchronous:
+        return inner_steps
+    if speed is None:
+        return probe_steps(inner_steps)
+    return dylu_steps(view.speeds(speed), inner_steps)[view.me]
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Whom a round waits for and how (DESIGN §3 step 4)."""
+
+    wait_for: tuple[str, ...]
+    """The other peers the group search waits for."""
+    target_size: int
+    """The group closes as soon as it has this many members (at least 2)."""
+    timeout_s: float
+    """How long the search waits for them: the sync timeout, or the async grace period."""
+
+
+def group_plan(
+    view: SwarmView, *, asynchronous: bool, now: float, grace_s: float, group_size: int,
+    sync_timeout_s: float,
+) -> GroupPlan | None:  # fmt: skip
+    """The group search of a round at `view`'s state (DHT time `now`), or None when there is
+    nobody to wait for and the δ is applied alone (Lookahead mode, or an async peer nobody
+    joins). Sync mode waits for every live peer, also those still behind: they catch up to this
+    version before they contribute. Async mode waits only for the peers already looking for a
+    group at our state and those whose phase ends within the grace period."""
+    others = list(view.others())
+    if others and asynchronous:
+        others = view.expected_soon(now, grace_s)
+    if not others:
+        return None
+    return GroupPlan(
+        tuple(others), max(2, min(group_size, len(others) + 1)),
+        grace_s if asynchronous else sync_timeout_s,
+    )  # fmt: skip
 
 
 def run_ended(

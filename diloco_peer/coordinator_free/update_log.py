@@ -349,6 +349,13 @@ def replay_horizon(update_bytes: int, state_bytes: int) -> int:
     return (state_bytes - 1) // update_bytes
 
 
+def replays(missed: int, window: int) -> bool:
+    """Whether catch-up replays updates (else it downloads the full state): `missed` versions
+    behind the head within the replay `window` (`min(L, replay_horizon)`), or a fork at our own
+    version (`missed` 0), healed by replaying the winner's update from our parent state."""
+    return 0 < missed <= window or (missed == 0 and window > 0)
+
+
 def log_capacity(keep_updates: int, update_bytes: int, state_bytes: int) -> int:
     """How many applied updates a peer keeps: every one a replay could ask it for.
 

@@ -27,7 +27,7 @@ from diloco_peer.coordinator_free.state_transfer import (
     download_update,
 )
 from diloco_peer.coordinator_free.swarm_view import HeadChoice
-from diloco_peer.coordinator_free.update_log import UpdateRecord, replay_horizon
+from diloco_peer.coordinator_free.update_log import UpdateRecord, replay_horizon, replays
 from diloco_peer.errors import ConfigError
 from diloco_peer.p2p.service import P2PService
 from diloco_peer.peer.replica import Replica
@@ -145,7 +145,7 @@ class CatchUp:
         moved: tuple[str, str, int] | None = None  # method, donor, bytes
         # the donors keep these (update_log.log_capacity); a fork at our version is healed by
         # replaying the winning branch from our parent state
-        replay = 0 < missed <= horizon or (missed == 0 and horizon > 0)
+        replay = replays(missed, horizon)
         if replay:
             for donor in donors[:REPLAY_DONORS]:
                 outcome, nbytes = self._replay(donor, choice.version, choice.state_hash)

@@ -27,7 +27,7 @@ from diloco_peer.config import DEFAULT_SHARDS, PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.dylu import dylu_steps
 from diloco_peer.coordinator_free.sampler import fill_shards
-from diloco_peer.coordinator_free.swarm_view import SwarmView
+from diloco_peer.coordinator_free.swarm_view import SwarmView, phase_steps, probe_steps
 from diloco_peer.errors import BadInput
 from diloco_peer.peer.data import ShardStream, TokenDataset, build_dataset, iid_shards
 from diloco_peer.peer.delta import Contribution
@@ -193,7 +193,7 @@ class Phase:
         return self.swarm.protocol == "async"
 
     def probe_steps(self) -> int:
-        return max(1, min(3, self.run.inner_steps // 4))
+        return probe_steps(self.run.inner_steps)
 
     def steps_of(self, view: SwarmView) -> dict[str, int]:
         """DyLU steps (Eq. 6) of this peer and of every live peer that published a speed."""
@@ -204,11 +204,10 @@ class Phase:
         """H in sync mode; in async mode DyLU over the speeds live peers publish, or a short
         probe phase (at most 3 steps) until this peer has measured its own speed, so a slow
         device learns it is slow before it holds the others up."""
-        if not self.asynchronous:
-            return self.run.inner_steps
-        if self.t.trainer.speed.steps_per_s is None:
-            return self.probe_steps()
-        return self.steps_of(view)[self.me]
+        return phase_steps(
+            view, self.t.trainer.speed.steps_per_s, inner_steps=self.run.inner_steps,
+            asynchronous=self.asynchronous,
+        )  # fmt: skip
 
     def unseen_steps(self, view: SwarmView, co_planners: list[str]) -> int:
         """Steps others plan at the same moment (SwarmView.unseen_steps)."""

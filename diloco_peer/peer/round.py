@@ -28,6 +28,7 @@ from hivemind.utils import get_dht_time
 from diloco_peer.averaging.certificate import Statement
 from diloco_peer.averaging.group_averager import GroupAverager, GroupResult
 from diloco_peer.config import SwarmSettings
+from diloco_peer.coordinator_free.swarm_view import group_plan
 from diloco_peer.coordinator_free.update_log import UpdateRecord
 from diloco_peer.errors import AllReduceFailed, LeftOut, NoGroup
 from diloco_peer.peer.delta import Contribution
@@ -164,25 +165,19 @@ class Round:
         if staleness > self.swarm.staleness_limit:
             return self._drop(mine, loss, staleness)
         view = self.heads.view()
-        others = list(view.others())
-        # Sync mode waits for every live peer, also those still behind: they catch up to this
-        # version before they contribute. Async mode waits only for the peers already looking
-        # for a group at our state and those whose phase ends within the grace period; with
-        # nobody to wait for, it applies its δ at once.
-        grace_s = self.training.grace_s(self.swarm, view)
-        if others and self.asynchronous:
-            others = view.expected_soon(get_dht_time(), grace_s)
-        if not others:  # alone in the swarm (Lookahead mode), or nobody worth waiting for
+        plan = group_plan(
+            view, asynchronous=self.asynchronous, now=get_dht_time(),
+            grace_s=self.training.grace_s(self.swarm, view), group_size=self.swarm.group_size,
+            sync_timeout_s=self.swarm.sync_timeout_s,
+        )  # fmt: skip
+        if plan is None:  # alone in the swarm (Lookahead mode), or nobody worth waiting for
             return self.commit(mine, [self.me], None, loss, t0)
         key, offer, weight = self._offer(mine, announce=True)
         waited = time.time()
         try:
             result = self._averager().average(
                 key, offer.delta, weight=weight, gather=offer.gather,
-                target_size=max(2, min(self.swarm.group_size, len(others) + 1)),
-                matchmaking_timeout_s=(
-                    grace_s if self.asynchronous else self.swarm.sync_timeout_s
-                ),
+                target_size=plan.target_size, matchmaking_timeout_s=plan.timeout_s,
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
                 admit=self.guard.admit(offer.round),
             )  # fmt: skip
