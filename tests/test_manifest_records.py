@@ -201,7 +201,7 @@ def test_manifest_round_trip(signed: SignedManifest, owner: Identity) -> None:
     assert again == signed
     assert again.manifest.run == RunSpec(model="nano", seq_len=32, outer_lr=0.5)
     assert again.manifest.swarm.protocol == "async"
-    assert again.manifest.protocol_version == PROTOCOL_VERSION == 1
+    assert again.manifest.protocol_version == PROTOCOL_VERSION == 2
     assert again.owner_peer_id == owner.peer_id_str
     assert again.digest == hashlib.sha256(again.canonical).hexdigest() == signed.digest
     assert again.to_bytes() == data
@@ -238,7 +238,8 @@ def test_other_protocol_version_is_named(owner: Identity) -> None:
         created=1.0,
     ).sign(owner)
     with pytest.raises(
-        ManifestError, match=f"protocol version 2, this build speaks {PROTOCOL_VERSION}"
+        ManifestError,
+        match=f"protocol version {PROTOCOL_VERSION + 1}, this build speaks {PROTOCOL_VERSION}",
     ):
         SignedManifest.from_bytes(newer.to_bytes())
 
@@ -398,6 +399,8 @@ def test_peer_head_normalizes_and_round_trips(owner: Identity) -> None:
         peer_id=owner.peer_id_str, version=3, state_hash=HASH_A, eta=5.0, plan={"0": 96, "7": 16}
     )
     assert PeerHead.from_record(planned.to_record()) == planned
+    busy = PeerHead(peer_id=owner.peer_id_str, version=3, state_hash=HASH_A, utilization=1)
+    assert busy.utilization == 1.0 and PeerHead.from_record(busy.to_record()) == busy
 
 
 @pytest.mark.parametrize(
@@ -419,6 +422,9 @@ def test_peer_head_normalizes_and_round_trips(owner: Identity) -> None:
         {"loss": math.nan},
         {"updated": -5.0},
         {"in_group": 1},
+        {"utilization": 1.5},
+        {"utilization": -0.1},
+        {"utilization": math.nan},
         {"plan": {"-1": 16}},
         {"plan": {"01": 16}},
         {"plan": {"1": 0}},
@@ -436,7 +442,15 @@ def test_peer_head_refuses_bad_fields(owner: Identity, change: dict[str, Any]) -
 
 @pytest.mark.parametrize(
     "change",
-    [{"extra": 1}, {"speed": 1}, {"version": 2.0}, {"loss": "low"}, {"in_group": 0}],
+    [
+        {"extra": 1},
+        {"speed": 1},
+        {"version": 2.0},
+        {"loss": "low"},
+        {"in_group": 0},
+        {"utilization": "full"},
+        {"utilization": 1},
+    ],
 )
 def test_peer_head_from_record_is_strict(owner: Identity, change: dict[str, Any]) -> None:
     record = {**PeerHead(peer_id=owner.peer_id_str, version=2, state_hash=HASH_A).to_record()}

@@ -220,6 +220,7 @@ def test_sigterm_saves_a_checkpoint_and_status_lists_peers(
     assert [p["peer_id"] for p in doc["peers"]] == [start["peer"]]
     assert doc["head_version"] >= 1 and doc["forks"] == {}
     assert doc["peers"][0]["rss_mb"] > 10 and doc["peers"][0]["cpu_percent"] >= 0
+    assert 0 < doc["peers"][0]["utilization"] <= 1  # after its first applied round
     os.killpg(a.pid, signal.SIGTERM)
     assert a.wait(timeout=60) == 0
     stop = swarm.wait_event(log_a, "stop", 5)

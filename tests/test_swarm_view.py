@@ -366,7 +366,7 @@ def test_status_lists_live_peers_newest_first_with_forks_and_bans() -> None:
     from diloco_peer.coordinator_free.status import status_document
 
     heads = {
-        A: head(A, 3, H1, bans={C: "non-finite"}, rss_mb=120.0),
+        A: head(A, 3, H1, bans={C: "non-finite"}, rss_mb=120.0, utilization=0.93),
         B: head(B, 3, H2, bans={C: "non-finite"}),
         C: head(C, 2, H0),
         D: head(D, 5, H0, updated=0.0),  # left: not listed, not the head
@@ -378,6 +378,7 @@ def test_status_lists_live_peers_newest_first_with_forks_and_bans() -> None:
     assert doc["banned"] == {C: {"by": [A, B], "reasons": ["non-finite"]}}
     assert [p["banned_by"] for p in doc["peers"]] == [0, 0, 2]
     assert doc["peers"][0]["rss_mb"] == 120.0 and doc["peers"][0]["last_seen_s"] == 1.0
+    assert doc["peers"][0]["utilization"] == 0.93 and doc["peers"][1]["utilization"] is None
     assert status_document("t", {}, NOW)["head_version"] is None
 
 

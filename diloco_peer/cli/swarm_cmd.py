@@ -302,6 +302,7 @@ def status(
         "loss",
         "memory",
         "cpu",
+        "busy",
         "seen",
         "banned by",
     ):
@@ -312,6 +313,7 @@ def status(
                   f"{p['loss']:.3f}" if p["loss"] is not None else "-",
                   f"{p['rss_mb']:.0f} MB" if p["rss_mb"] is not None else "-",
                   f"{p['cpu_percent']:.0f}%" if p["cpu_percent"] is not None else "-",
+                  f"{100 * p['utilization']:.0f}%" if p["utilization"] is not None else "-",
                   f"{p['last_seen_s']:.0f}s ago", str(p["banned_by"] or "-"))  # fmt: skip
     _out.print(t)
     for peer, entry in sorted(doc["banned"].items()):

@@ -85,6 +85,7 @@ class HeadRecord(pydantic.BaseModel):
     cpu_percent: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
     gpu_mem_mb: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
     eta: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
+    utilization: pydantic.confloat(strict=True, ge=0.0, le=1.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
     plan: (
         dict[
             pydantic.constr(strict=True, regex=r"^(0|[1-9][0-9]{0,6})$"),  # type: ignore[valid-type]
@@ -158,6 +159,9 @@ class PeerHead:
     """Peers this peer currently bans (DESIGN §4), with the reason; `status` shows them."""
     client: bool = False
     """The peer dials out only (`join --client-mode`): nobody can download state from it."""
+    utilization: float | None = None
+    """Share of the wall time of the peer's last round that it trained (compute over wall
+    seconds, `Counters.utilization`); None before its first applied round."""
 
     def __post_init__(self) -> None:
         # Accept ints for float fields (speed=0), as the wire schema will not.
@@ -170,6 +174,7 @@ class PeerHead:
             "cpu_percent",
             "gpu_mem_mb",
             "eta",
+            "utilization",
         ):
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):

@@ -92,7 +92,7 @@ def status_document(run: str, heads: Mapping[str, PeerHead], now: float) -> dict
         {"peer_id": h.peer_id, "version": h.version, "state_hash": h.state_hash,
          "speed": h.speed, "loss": h.loss, "last_seen_s": now - h.updated, "in_group": h.in_group,
          "rss_mb": h.rss_mb, "cpu_percent": h.cpu_percent, "gpu_mem_mb": h.gpu_mem_mb,
-         "client": h.client, "banned_by": len(banned.get(h.peer_id, {}).get("by", []))}
+         "utilization": h.utilization, "client": h.client, "banned_by": len(banned.get(h.peer_id, {}).get("by", []))}
         for h in sorted(live.values(), key=lambda h: (-h.version, h.peer_id))
     ]  # fmt: skip
     return {

@@ -26,7 +26,7 @@ state hash at the head: <span id="head-hashes" class="mono">-</span>
 <div id="status">connecting...</div>
 <h2>Live peers</h2>
 <table id="peers"><thead><tr><th>peer</th><th>version</th><th>state hash</th><th>steps/s</th>
-<th>samples/s</th><th>client</th><th>last seen</th><th>memory</th><th>cpu</th><th>gpu</th>
+<th>samples/s</th><th>client</th><th>last seen</th><th>memory</th><th>cpu</th><th>gpu</th><th>busy</th>
 <th>in flight</th><th>rounds</th><th>steps</th><th>samples</th><th>banned by</th></tr></thead>
 <tbody></tbody></table>
 <h2>Forks and bans</h2>
@@ -103,6 +103,7 @@ function render(doc) {
     cell(row, p.rss_mb === null ? "-" : `${fmt(p.rss_mb, 0)} MB`, "num");
     cell(row, p.cpu_percent === null ? "-" : `${fmt(p.cpu_percent, 0)}%`, "num");
     cell(row, p.gpu_mem_mb === null ? "-" : `${fmt(p.gpu_mem_mb, 0)} MB`, "num");
+    cell(row, p.utilization == null ? "-" : `${fmt(100 * p.utilization, 0)}%`, "num");
     cell(row, p.in_flight_samples || "-", "num");
     const c = p.contribution || {};
     cell(row, c.rounds ?? "-", "num"); cell(row, c.steps || "-", "num");

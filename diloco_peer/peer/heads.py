@@ -134,6 +134,7 @@ class HeadChannel:
             plan=plan if eta is not None else None,
             bans=self._facts.bans(),
             client=self._facts.client_mode(),
+            utilization=self._counters.utilization,
             **self._facts.resources(),
         )
         return self._chaos.head(head)
