@@ -82,6 +82,8 @@ class Forming:
     deadline: float
     groups: int = 1
     """How many groups the leader expects at this base (its plan's peers over the group size)."""
+    window: float = 0.0
+    """The leader's wait (sync timeout or async grace): a combine step waits as long."""
     members: list = field(default_factory=list)
     closed: bool = False
 
@@ -258,7 +260,9 @@ class SwarmSim:
         forming = next((f for f in lobby if not f.closed and len(f.members) < f.target), None)
         if forming is None:
             groups = math.ceil((len(plan.wait_for) + 1) / self.spec.group_size)
-            forming = Forming(key, plan.target_size, self.now + plan.timeout_s, groups)
+            forming = Forming(
+                key, plan.target_size, self.now + plan.timeout_s, groups, plan.timeout_s
+            )
             lobby.append(forming)
             self.at(forming.deadline, self.close, forming)
         forming.members.append(p.id)
@@ -277,7 +281,7 @@ class SwarmSim:
             self.lobbies.pop(forming.key, None)
         members = tuple(self.peers[m] for m in forming.members if self.peers[m].alive)
         if len(members) >= 2:
-            self.all_reduce(members, forming.groups)
+            self.all_reduce(members, forming)
         elif members:
             self.no_group(members[0])
 
@@ -296,7 +300,7 @@ class SwarmSim:
         else:
             self.commit((p,), p.state, rivals_matter=False)
 
-    def all_reduce(self, members: tuple[Peer, ...], groups: int = 1) -> None:
+    def all_reduce(self, members: tuple[Peer, ...], forming: Forming) -> None:
         """2 (n-1)/n copies of δ each way per member, at the slowest member's link; slower than
         the all-reduce timeout is a failure at the timeout."""
         n = len(members)
@@ -307,23 +311,17 @@ class SwarmSim:
             self.tally.moved(m, each)
         timeout = self.spec.allreduce_timeout_s
         done = (self.now + took, "") if took <= timeout else (self.now + timeout, "too slow")
-        self.at(done[0], self.reduced, members, members[0].state, self.now, done[1], groups)
+        self.at(done[0], self.reduced, members, members[0].state, self.now, done[1], forming)
 
     def reduced(
-        self, members: tuple[Peer, ...], base: str, started: float, failed: str, groups: int = 1
+        self, members: tuple[Peer, ...], base: str, started: float, failed: str, forming: Forming
     ) -> None:
         if not failed and not all(m.alive for m in members):
             # a member died: the others wait for its parts until the all-reduce timeout
             failed = "a member crashed"
             if self.now < started + self.spec.allreduce_timeout_s:
-                self.at(
-                    started + self.spec.allreduce_timeout_s,
-                    self.reduced,
-                    members,
-                    base,
-                    started,
-                    failed,
-                )
+                end = started + self.spec.allreduce_timeout_s
+                self.at(end, self.reduced, members, base, started, failed, forming)
                 return
         alive = tuple(m for m in members if m.alive)
         if failed:
@@ -331,8 +329,8 @@ class SwarmSim:
             for m in alive:
                 self.keep(m, f"all-reduce failed: {failed}")
             return
-        if self.combiner is not None and groups > 1:
-            self.combiner.group_done(alive, base, groups)
+        if self.combiner is not None and forming.groups > 1:
+            self.combiner.group_done(alive, base, forming.groups, forming.window)
         else:
             self.commit(alive, base, rivals_matter=True)
 

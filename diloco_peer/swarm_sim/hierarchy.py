@@ -62,23 +62,20 @@ class Combiner:
         self.combines = 0
         self.lost_groups = 0
 
-    def window_s(self) -> float:
-        s = self.sim.spec
-        return s.sync_timeout_s if s.protocol == "sync" else max(s.grace_s, 1.0)
-
-    def group_done(self, members: tuple[Peer, ...], base: str, groups: int) -> None:
-        """A stage-one group finished its all-reduce; its delegate goes to the combine."""
+    def group_done(self, members: tuple[Peer, ...], base: str, groups: int, window: float) -> None:
+        """A stage-one group finished its all-reduce; its delegate goes to the combine, which
+        waits as long as the group's own search did (`window`)."""
         g = GroupAverage(members, base, delegate(members, base))
         sim = self.sim
-        latest = self.window_s() + 2 * sim.spec.allreduce_timeout_s
+        latest = window + 2 * sim.spec.allreduce_timeout_s
         sim.at(sim.now + latest, self.expire, g)
-        self.enter(g, groups)
+        self.enter(g, groups, window)
 
-    def enter(self, g: GroupAverage, groups: int) -> None:
+    def enter(self, g: GroupAverage, groups: int, window: float) -> None:
         sim = self.sim
         c = self.forming.get(g.base)
         if c is None or c.closed:
-            c = Combine(g.base, groups, sim.now + self.window_s())
+            c = Combine(g.base, groups, sim.now + window)
             self.forming[g.base] = c
             sim.at(c.deadline, self.close, c)
         c.groups.append(g)
