@@ -141,3 +141,13 @@ def test_every_member_names_the_same_delegate() -> None:
 def test_bad_settings_are_config_errors(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         SwarmSimSpec(**{field: value})  # type: ignore[arg-type]
+
+
+def test_two_stage_closes_its_groups_once_nobody_at_the_base_is_training() -> None:
+    """The last stage-one group (the slowest devices) closes when its last member arrives, not
+    at the sync timeout: a round lasts the slowest phase, two all-reduces and one replay."""
+    doc = simulate_swarm(SwarmSimSpec(peers=100, group_size=16, hierarchy="two-stage", hours=0.3))
+    slowest_phase = 50 * (5.74 / 1.0) ** 0.25  # `slight`: the slowest device of the profile
+    assert doc["applied_fraction"] == 1.0 and doc["forks"] == 0
+    assert doc["wait_s"]["max"] < slowest_phase - 50 + 30  # never a whole timeout more
+    assert doc["versions"] >= int(1080 / (slowest_phase + 20))

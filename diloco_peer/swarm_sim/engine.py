@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -102,6 +103,10 @@ class SwarmSim:
         self.dht, self.history = Dht(spec.dht_delay_s), History()
         self.peers: dict[str, Peer] = {}
         self.lobbies: dict[str, list[Forming]] = {}
+        self.searching: Counter[str] = Counter()
+        """Stage-one groups per base still forming or all-reducing."""
+        self.training: Counter[str] = Counter()
+        """Live peers per base in a phase (their heads show `eta`)."""
         self.tally = Tally(spec)
         self.swarm = SwarmSettings(
             protocol=spec.protocol, grace_s=spec.grace_s, grace_share=spec.grace_share
@@ -150,6 +155,8 @@ class SwarmSim:
         if live:
             victim = self.rng.choice(live)
             victim.alive, victim.died = False, self.now
+            if victim.phase is not None:
+                self.training[victim.state] -= 1
             self.dht.crashed(victim.id, self.now)
             self.tally.crashed(victim)
         self.start_round(self.new_peer())
@@ -221,12 +228,14 @@ class SwarmSim:
         took = steps * p.seconds_per_step
         p.eta, p.in_group = self.now + took, False
         p.phase = (self.tally.phase_started(p), p.version, self.now)
+        self.training[p.state] += 1
         self.publish(p)
         self.at(p.eta, self.live(self.phase_end), p, steps)
 
     def phase_end(self, p: Peer, steps: int) -> None:
         assert p.phase is not None
         phase, base, started = p.phase
+        self.training[p.state] -= 1
         self.tally.phase_finished(p, phase, self.now - started)
         p.speed, p.eta, p.phase = steps / (self.now - started), None, None
         p.mine, p.pending = Delta((phase,), base).merge(p.pending), None
@@ -264,10 +273,16 @@ class SwarmSim:
                 key, plan.target_size, self.now + plan.timeout_s, groups, plan.timeout_s
             )
             lobby.append(forming)
+            self.searching[key] += 1
             self.at(forming.deadline, self.close, forming)
         forming.members.append(p.id)
         if len(forming.members) >= forming.target:
             self.close(forming)
+        elif self.combiner is not None and not self.training[key]:
+            # two-stage: nobody at this base is still training, so nobody else will come;
+            # every group forming here closes now (the heads show it: no `eta` at the base)
+            for f in list(self.lobbies.get(key, ())):
+                self.close(f)
 
     def close(self, forming: Forming) -> None:
         """The leader closes its group (full, or at its deadline); the commit step keeps the
@@ -282,8 +297,17 @@ class SwarmSim:
         members = tuple(self.peers[m] for m in forming.members if self.peers[m].alive)
         if len(members) >= 2:
             self.all_reduce(members, forming)
-        elif members:
+            return
+        self.search_over(forming.key)
+        if members:
             self.no_group(members[0])
+
+    def search_over(self, base: str) -> None:
+        self.searching[base] -= 1
+        if not self.searching[base]:
+            del self.searching[base]
+            if self.combiner is not None:
+                self.combiner.settle(base)
 
     def no_group(self, p: Peer) -> None:
         """Round._no_group: sync keeps the δ; async retries at the head, waits once more for a
@@ -328,11 +352,11 @@ class SwarmSim:
             self.tally.failed_groups += 1
             for m in alive:
                 self.keep(m, f"all-reduce failed: {failed}")
-            return
-        if self.combiner is not None and forming.groups > 1:
-            self.combiner.group_done(alive, base, forming.groups, forming.window)
+        elif self.combiner is not None and forming.groups > 1:
+            self.combiner.group_done(alive, base, forming.window)
         else:
             self.commit(alive, base, rivals_matter=True)
+        self.search_over(base)
 
     def commit(self, members: tuple[Peer, ...], base: str, *, rivals_matter: bool) -> None:
         """Round.commit: apply, unless another group's seal on our base is already readable."""

@@ -42,11 +42,13 @@ class Combine:
     """A combine group being assembled under one base."""
 
     base: str
-    target: int
     deadline: float
+    cap: float = 0.0
+    """The latest it waits for stage-one groups still searching at its base."""
     groups: list[GroupAverage] = field(default_factory=list)
     closed: bool = False
     retried: bool = False
+    extended: bool = False
 
 
 def delegate(members: tuple[Peer, ...], base: str) -> Peer:
@@ -62,24 +64,39 @@ class Combiner:
         self.combines = 0
         self.lost_groups = 0
 
-    def group_done(self, members: tuple[Peer, ...], base: str, groups: int, window: float) -> None:
+    def group_done(self, members: tuple[Peer, ...], base: str, window: float) -> None:
         """A stage-one group finished its all-reduce; its delegate goes to the combine, which
-        waits as long as the group's own search did (`window`)."""
+        waits as long as the group's own search did (`window`), or less: see `settle`."""
         g = GroupAverage(members, base, delegate(members, base))
         sim = self.sim
-        latest = window + 2 * sim.spec.allreduce_timeout_s
-        sim.at(sim.now + latest, self.expire, g)
-        self.enter(g, groups, window)
-
-    def enter(self, g: GroupAverage, groups: int, window: float) -> None:
-        sim = self.sim
-        c = self.forming.get(g.base)
-        if c is None or c.closed:
-            c = Combine(g.base, groups, sim.now + window)
-            self.forming[g.base] = c
-            sim.at(c.deadline, self.close, c)
+        sim.at(sim.now + window + 2 * sim.spec.allreduce_timeout_s, self.expire, g)
+        c = self.forming.get(base)
+        if c is None:
+            cap = sim.now + 2 * window + sim.spec.allreduce_timeout_s
+            c = self.forming[base] = Combine(base, sim.now + window, cap)
+            sim.at(c.deadline, self.at_deadline, c)
         c.groups.append(g)
-        if len(c.groups) >= c.target:
+
+    def at_deadline(self, c: Combine) -> None:
+        """The window is over; stage-one groups that heads show still searching at the base
+        (bounded in time: their own search and all-reduce) are waited for, up to `cap`."""
+        if c.closed:
+            return
+        if self.sim.searching.get(c.base) and self.sim.now < c.cap:
+            c.extended = True
+            self.sim.at(c.cap, self.close, c)
+            return
+        self.close(c)
+
+    def settle(self, base: str) -> None:
+        """No stage-one group at `base` is forming or all-reducing any more: the combine closes
+        now, unless a live peer at `base` is still training (its heads say so: `eta`) and will
+        come within the window (once the window is over, the stage-one searches that were still
+        on were the last ones waited for)."""
+        c = self.forming.get(base)
+        if c is None:
+            return
+        if c.extended or not self.sim.training[base]:
             self.close(c)
 
     def close(self, c: Combine) -> None:
@@ -117,7 +134,7 @@ class Combiner:
                 for g in left:
                     self.give_up(g, "combine failed")
                 return
-            retry = Combine(c.base, len(left), sim.now, retried=True)
+            retry = Combine(c.base, sim.now, retried=True)
             retry.groups = left
             self.close(retry)
             return
