@@ -92,7 +92,14 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", type=Path, help="write the document here too")
     p.add_argument("--markdown", type=Path, help="write the section into this page")
+    p.add_argument("--from-json", type=Path, help="run nothing: write --markdown from this")
     a = p.parse_args()
+    if a.from_json:
+        if a.markdown:
+            write_section(
+                a.markdown, render(json.loads(a.from_json.read_text())), BEGIN, END, NOTES
+            )
+        return
     runs = []
     for seed in map(int, a.seeds.split(",")):
         for n in map(int, a.peers.split(",")):

@@ -69,7 +69,9 @@ class Combiner:
         waits as long as the group's own search did (`window`), or less: see `settle`."""
         g = GroupAverage(members, base, delegate(members, base))
         sim = self.sim
-        sim.at(sim.now + window + 2 * sim.spec.allreduce_timeout_s, self.expire, g)
+        # longer than any combine that counts this group: its window, the wait for searches
+        # still on, the combine's all-reduce and one retry
+        sim.at(sim.now + 2 * window + 3 * sim.spec.allreduce_timeout_s, self.expire, g)
         c = self.forming.get(base)
         if c is None:
             cap = sim.now + 2 * window + sim.spec.allreduce_timeout_s
@@ -142,7 +144,10 @@ class Combiner:
 
     def commit(self, groups: list[GroupAverage], base: str) -> None:
         sim = self.sim
+        groups = [g for g in groups if not g.settled]  # a group that gave up is not counted
         members = tuple(m for g in groups for m in g.members if m.alive)
+        if not members:
+            return
         if sim.history.rival(base, sim.now, sim.spec.dht_delay_s):
             sim.tally.rival_groups += 1
             for g in groups:
