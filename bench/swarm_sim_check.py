@@ -63,7 +63,7 @@ def real_run(a: argparse.Namespace, group_size: int, folder: Path) -> dict[str, 
 def digest(logs: list[list[dict[str, Any]]], wall: float) -> dict[str, Any]:
     first: dict[int, float] = {}
     hashes: dict[int, set[str]] = {}
-    sizes, speeds, rivals, failed = [], [], 0, 0
+    sizes, speeds, rivals, failed, catch_ups = [], [], 0, 0, []
     for log in logs:
         for ev in log:
             if ev.get("event") == "round":
@@ -73,6 +73,8 @@ def digest(logs: list[list[dict[str, Any]]], wall: float) -> dict[str, Any]:
                 sizes.append(ev["group_size"])
                 if ev.get("speed"):
                     speeds.append(float(ev["speed"]))
+            elif ev.get("event") == "catch_up":
+                catch_ups.append(float(ev.get("seconds") or 0.0))
             elif ev.get("event") == "round_failed":
                 failed += 1
                 rivals += "committed this version first" in str(ev.get("reason"))
@@ -86,6 +88,8 @@ def digest(logs: list[list[dict[str, Any]]], wall: float) -> dict[str, Any]:
         "rival_rounds": rivals, "failed_rounds": failed,
         "forks": sum(len(h) > 1 for h in hashes.values()),
         "median_speed": statistics.median(speeds) if speeds else None,
+        "catch_ups": len(catch_ups),
+        "median_catch_up_s": statistics.median(catch_ups) if catch_ups else None,
     }  # fmt: skip
 
 
@@ -100,19 +104,21 @@ def model_mb() -> float:
 
 
 def predict(a: argparse.Namespace, group_size: int, real: dict[str, Any], overhead: float,
-            mb: float, step_s: float) -> dict[str, Any]:  # fmt: skip
+            mb: float, step_s: float, catch_up_s: float) -> dict[str, Any]:  # fmt: skip
     spec = SwarmSimSpec(
         peers=a.peers, protocol=a.protocol, group_size=group_size, inner_steps=a.inner_steps,
         step_s=step_s, heterogeneity="none", model_mb=mb, bandwidth_mbit=10_000.0,
         latency_s=0.001, round_overhead_s=overhead, hours=real["wall_s"] / 3600,
-        outer_buffers=2 if a.protocol == "async" else 1,
+        outer_buffers=2 if a.protocol == "async" else 1, dht_delay_s=a.dht_delay_s,
+        catch_up_s=catch_up_s,
     )  # fmt: skip
     doc = simulate_swarm(spec)
     rounds = doc["versions"]
     return {
-        "versions_per_min": doc["versions_per_hour"] / 60,
+        "versions_per_min": doc["versions_per_hour_steady"] / 60,
         "mean_group_size": doc["group_size"]["mean"],
         "rival_groups": doc["groups"]["gave_up_to_a_rival"], "forks": doc["forks"],
+        "rival_rounds": doc["kept"].get("rival", 0),
         "applied_fraction": doc["applied_fraction"], "versions": rounds,
     }  # fmt: skip
 
@@ -123,11 +129,14 @@ def render(doc: dict[str, Any]) -> str:
         "",
         f"`{doc['command']}`: {doc['peers']} real peers on 127.0.0.1 (nano, {doc['protocol']}, "
         f"H {doc['inner_steps']}, one thread each, {doc['minutes']} min per group size), then "
-        f"`simulate-swarm` with the measured median step time ({doc['step_s']:.3f} s) and a "
-        f"round cost of {doc['overhead_s']:.1f} s calibrated on the first group size's run.",
+        f"`simulate-swarm` with the measured median step time ({doc['step_s']:.3f} s), a "
+        f"round cost of {doc['overhead_s']:.1f} s calibrated on the first group size's run, "
+        f"a catch-up's fixed cost of {doc['catch_up_s']:.1f} s (the real runs' median), "
+        f"DHT delay {doc['dht_delay_s']} s, phase jitter 0.05. Versions per minute between the "
+        "first and the last version's commit, in both.",
         "",
         "| group size | real versions/min | simulated | ratio | real mean group | simulated "
-        "| real rival give-ups | simulated rival groups | real forks | simulated forks |",
+        "| rounds given up to a rival group: real | simulated | real forks | simulated forks |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in doc["rows"]:
@@ -137,7 +146,7 @@ def render(doc: dict[str, Any]) -> str:
             f"| {row['group_size']}{' (calibration)' if row['calibration'] else ''} "
             f"| {r['versions_per_min']:.2f} | {s['versions_per_min']:.2f} "
             f"| {'—' if ratio is None else f'{ratio:.2f}'} | {r['mean_group_size']:.2f} "
-            f"| {s['mean_group_size']:.2f} | {r['rival_rounds']} | {s['rival_groups']} "
+            f"| {s['mean_group_size']:.2f} | {r['rival_rounds']} | {s['rival_rounds']} "
             f"| {r['forks']} | {s['forks']} |"
         )
     return "\n".join(lines) + "\n"
@@ -152,24 +161,35 @@ def main() -> None:
     p.add_argument("--group-sizes", default="8,4", help="the first one calibrates")
     p.add_argument("--inner-steps", type=int, default=20)
     p.add_argument("--minutes", type=float, default=4.0)
+    p.add_argument("--dht-delay-s", type=float, default=0.1, help="the simulator's, loopback")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
+    p.add_argument("--real-from", type=Path, help="take the real runs from this document")
     a = p.parse_args()
     sizes = [int(g) for g in a.group_sizes.split(",")]
     reals = {}
+    if a.real_from:
+        kept = json.loads(a.real_from.read_text())
+        reals = {row["group_size"]: row["real"] for row in kept["rows"]}
     for g in sizes:
+        if g in reals:
+            continue
         with tempfile.TemporaryDirectory(prefix="swarm-sim-check-") as folder:
             reals[g] = real_run(a, g, Path(folder))
         print(f"[bench] real, group size {g}: {json.dumps(reals[g])}", file=sys.stderr, flush=True)
     cal = reals[sizes[0]]
     step_s = 1 / cal["median_speed"]
     overhead = max(0.0, cal["round_s"] - a.inner_steps * step_s)
+    measured = [r["median_catch_up_s"] for r in reals.values() if r.get("median_catch_up_s")]
+    catch_up_s = statistics.median(measured) if measured else 1.0
     mb = model_mb()
     rows = [{"group_size": g, "calibration": g == sizes[0], "real": reals[g],
-             "sim": predict(a, g, reals[g], overhead, mb, step_s)} for g in sizes]  # fmt: skip
+             "sim": predict(a, g, reals[g], overhead, mb, step_s, catch_up_s)}
+            for g in sizes]  # fmt: skip
     doc = {"command": "python bench/swarm_sim_check.py " + " ".join(sys.argv[1:]),
            "peers": a.peers, "protocol": a.protocol, "inner_steps": a.inner_steps,
            "minutes": a.minutes, "step_s": step_s, "overhead_s": overhead, "model_mb": mb,
+           "dht_delay_s": a.dht_delay_s, "catch_up_s": catch_up_s,
            "rows": rows}  # fmt: skip
     text = json.dumps(doc, indent=1)
     print(text)

@@ -16,8 +16,10 @@ from diloco_peer.swarm_sim.engine import peer_name
 from diloco_peer.swarm_sim.hierarchy import delegate
 from diloco_peer.swarm_sim.swarm import GENESIS, Dht, History
 
-EVEN = dict(heterogeneity="none", step_s=1.0, inner_steps=50, hours=0.5)
+EVEN = dict(heterogeneity="none", jitter=0.0, step_s=1.0, inner_steps=50, hours=0.5)
 """Equal devices: 50 s phases."""
+EXACT = dict(jitter=0.0)
+"""Phases exactly as long as their steps: the mechanism alone."""
 
 
 def test_one_group_rounds_take_a_phase_plus_the_all_reduce_exactly() -> None:
@@ -44,7 +46,7 @@ def test_same_seed_same_document_and_another_seed_another() -> None:
 def test_more_peers_than_one_group_chain_one_group_per_version_and_waste_phases() -> None:
     """Today's protocol (issue 19's measurement): several groups per base, one wins, the others
     give up (or fork) and contribute their δ again a round late."""
-    doc = simulate_swarm(SwarmSimSpec(peers=16, group_size=4, hours=0.5))
+    doc = simulate_swarm(SwarmSimSpec(peers=16, group_size=4, hours=0.5, **EXACT))
     assert doc["groups"]["gave_up_to_a_rival"] > 0
     assert doc["kept"]["rival"] >= 2 * doc["groups"]["gave_up_to_a_rival"]
     assert doc["phases"]["dropped_stale"] > 0
@@ -53,8 +55,10 @@ def test_more_peers_than_one_group_chain_one_group_per_version_and_waste_phases(
 
 
 def test_two_stage_combines_every_group_into_one_version() -> None:
-    flat = simulate_swarm(SwarmSimSpec(peers=16, group_size=16, hours=0.5))
-    two = simulate_swarm(SwarmSimSpec(peers=16, group_size=4, hierarchy="two-stage", hours=0.5))
+    flat = simulate_swarm(SwarmSimSpec(peers=16, group_size=16, hours=0.5, **EXACT))
+    two = simulate_swarm(
+        SwarmSimSpec(peers=16, group_size=4, hierarchy="two-stage", hours=0.5, **EXACT)
+    )
     assert two["forks"] == 0 and two["groups"]["gave_up_to_a_rival"] == 0
     assert two["applied_fraction"] == 1.0 and two["phases"]["dropped_stale"] == 0
     assert two["group_size"]["max"] == 16  # every member of the four groups in each version
@@ -95,7 +99,8 @@ def test_a_lone_peer_applies_its_own_delta_every_phase() -> None:
 
 
 def test_async_dylu_peers_finish_together_and_group() -> None:
-    doc = simulate_swarm(SwarmSimSpec(peers=4, protocol="async", heterogeneity="very", hours=0.5))
+    spec = SwarmSimSpec(peers=4, protocol="async", heterogeneity="very", hours=0.5, **EXACT)
+    doc = simulate_swarm(spec)
     assert doc["group_size"]["mean"] > 3.5  # DyLU: the phases of unequal devices end together
     assert doc["applied_fraction"] == 1.0
     assert doc["wait_s"]["p90"] < 10
@@ -136,7 +141,7 @@ def test_every_member_names_the_same_delegate() -> None:
     "field, value",
     [("peers", 0), ("protocol", "gossip"), ("hierarchy", "tree"), ("group_size", 1),
      ("hours", math.nan), ("churn_per_hour", -1.0), ("compression", "int4"),
-     ("bandwidth_spread", 0.5), ("grace_share", 2.0), ("peers", True)],
+     ("bandwidth_spread", 0.5), ("grace_share", 2.0), ("peers", True), ("jitter", -0.1)],
 )  # fmt: skip
 def test_bad_settings_are_config_errors(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -146,8 +151,20 @@ def test_bad_settings_are_config_errors(field: str, value: object) -> None:
 def test_two_stage_closes_its_groups_once_nobody_at_the_base_is_training() -> None:
     """The last stage-one group (the slowest devices) closes when its last member arrives, not
     at the sync timeout: a round lasts the slowest phase, two all-reduces and one replay."""
-    doc = simulate_swarm(SwarmSimSpec(peers=100, group_size=16, hierarchy="two-stage", hours=0.3))
+    spec = SwarmSimSpec(peers=100, group_size=16, hierarchy="two-stage", hours=0.3, **EXACT)
+    doc = simulate_swarm(spec)
     slowest_phase = 50 * (5.74 / 1.0) ** 0.25  # `slight`: the slowest device of the profile
     assert doc["applied_fraction"] == 1.0 and doc["forks"] == 0
     assert doc["wait_s"]["max"] < slowest_phase - 50 + 30  # never a whole timeout more
     assert doc["versions"] >= int(1080 / (slowest_phase + 20))
+
+
+def test_jittered_phases_make_a_sync_round_wait_for_its_slowest_peer_or_split() -> None:
+    """With phases that vary, sync's slowest peers arrive after the first group's search timed
+    out (slight heterogeneity: the slowest device's phase is 27 s longer, the timeout 30 s):
+    groups split, and the late one gives its version up. The mechanism, measured: one group
+    of 16 every round without jitter, smaller groups and rival give-ups with it."""
+    exact = simulate_swarm(SwarmSimSpec(peers=16, group_size=16, hours=0.5, **EXACT))
+    jittered = simulate_swarm(SwarmSimSpec(peers=16, group_size=16, hours=0.5, jitter=0.05))
+    assert exact["group_size"]["mean"] == 16 and exact["groups"]["gave_up_to_a_rival"] == 0
+    assert jittered["group_size"]["mean"] < 16 and jittered["groups"]["gave_up_to_a_rival"] > 0

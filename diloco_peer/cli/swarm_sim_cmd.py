@@ -34,6 +34,7 @@ def simulate_swarm_cmd(
     heterogeneity: str = typer.Option(
         _DEFAULT.heterogeneity, help="Device speeds: none|slight|moderate|very."
     ),
+    jitter: float = typer.Option(_DEFAULT.jitter, help="Log-normal spread of phase times."),
     model_mb: float = typer.Option(_DEFAULT.model_mb, help="θ in fp32, MB."),
     compression: str = typer.Option(_DEFAULT.compression, help="All-reduce codec: none|fp16|int8."),
     outer_buffers: int = typer.Option(
@@ -57,7 +58,7 @@ def simulate_swarm_cmd(
     configure_logging()
     spec = SwarmSimSpec(
         peers=peers, protocol=protocol, hierarchy=hierarchy, group_size=group_size, hours=hours,
-        churn_per_hour=churn, inner_steps=inner_steps, step_s=step_s, heterogeneity=heterogeneity,
+        churn_per_hour=churn, inner_steps=inner_steps, step_s=step_s, heterogeneity=heterogeneity, jitter=jitter,
         model_mb=model_mb, compression=compression, outer_buffers=outer_buffers,
         bandwidth_mbit=bandwidth_mbit, bandwidth_spread=bandwidth_spread, latency_s=latency_s,
         dht_delay_s=dht_delay_s, sync_timeout_s=sync_timeout_s,

@@ -105,8 +105,8 @@ class SwarmSim:
         self.lobbies: dict[str, list[Forming]] = {}
         self.searching: Counter[str] = Counter()
         """Stage-one groups per base still forming or all-reducing."""
-        self.training: Counter[str] = Counter()
-        """Live peers per base in a phase (their heads show `eta`)."""
+        self.training: dict[str, dict[str, float]] = {}
+        """Live peers per base in a phase, with the phase's end (their heads show `eta`)."""
         self.tally = Tally(spec)
         self.swarm = SwarmSettings(
             protocol=spec.protocol, grace_s=spec.grace_s, grace_share=spec.grace_share
@@ -155,8 +155,7 @@ class SwarmSim:
         if live:
             victim = self.rng.choice(live)
             victim.alive, victim.died = False, self.now
-            if victim.phase is not None:
-                self.training[victim.state] -= 1
+            self.training.get(victim.state, {}).pop(victim.id, None)
             self.dht.crashed(victim.id, self.now)
             self.tally.crashed(victim)
         self.start_round(self.new_peer())
@@ -201,7 +200,7 @@ class SwarmSim:
         else:
             then(p)
             return
-        took = self.spec.latency_s * 2 + nbytes / p.bytes_per_s
+        took = self.spec.catch_up_s + self.spec.latency_s * 2 + nbytes / p.bytes_per_s
         self.at(
             self.now + took, self.live(self.caught_up), p, choice.state_hash, nbytes, method, then
         )
@@ -226,16 +225,22 @@ class SwarmSim:
             asynchronous=self.spec.protocol == "async",
         )  # fmt: skip
         took = steps * p.seconds_per_step
+        if self.spec.jitter:
+            sigma = self.spec.jitter
+            took *= math.exp(self.rng.gauss(-sigma * sigma / 2, sigma))
         p.eta, p.in_group = self.now + took, False
         p.phase = (self.tally.phase_started(p), p.version, self.now)
-        self.training[p.state] += 1
+        self.training.setdefault(p.state, {})[p.id] = p.eta
         self.publish(p)
         self.at(p.eta, self.live(self.phase_end), p, steps)
 
     def phase_end(self, p: Peer, steps: int) -> None:
         assert p.phase is not None
         phase, base, started = p.phase
-        self.training[p.state] -= 1
+        training = self.training[p.state]
+        del training[p.id]
+        if not training:
+            del self.training[p.state]
         self.tally.phase_finished(p, phase, self.now - started)
         p.speed, p.eta, p.phase = steps / (self.now - started), None, None
         p.mine, p.pending = Delta((phase,), base).merge(p.pending), None
@@ -278,9 +283,9 @@ class SwarmSim:
         forming.members.append(p.id)
         if len(forming.members) >= forming.target:
             self.close(forming)
-        elif self.combiner is not None and not self.training[key]:
-            # two-stage: nobody at this base is still training, so nobody else will come;
-            # every group forming here closes now (the heads show it: no `eta` at the base)
+        elif self.combiner is not None and not self.due(key, forming.deadline):
+            # two-stage: nobody else will come in time (no head at this base shows a phase
+            # ending before the search does): every group forming here closes now
             for f in list(self.lobbies.get(key, ())):
                 self.close(f)
 
@@ -301,6 +306,14 @@ class SwarmSim:
         self.search_over(forming.key)
         if members:
             self.no_group(members[0])
+
+    def due(self, base: str, until: float) -> bool:
+        """A live peer at `base` is training and a round waits for it: sync waits for every
+        one, async for those whose phase ends by `until` (`SwarmView.expected_soon`)."""
+        etas = self.training.get(base, {})
+        if self.spec.protocol == "sync":
+            return bool(etas)
+        return any(eta <= until for eta in etas.values())
 
     def search_over(self, base: str) -> None:
         self.searching[base] -= 1

@@ -92,13 +92,13 @@ class Combiner:
 
     def settle(self, base: str) -> None:
         """No stage-one group at `base` is forming or all-reducing any more: the combine closes
-        now, unless a live peer at `base` is still training (its heads say so: `eta`) and will
-        come within the window (once the window is over, the stage-one searches that were still
-        on were the last ones waited for)."""
+        now, unless a live peer at `base` is still training and the round waits for it
+        (`SwarmSim.due`). Once the window is over, the searches still on were the last ones
+        waited for."""
         c = self.forming.get(base)
         if c is None:
             return
-        if c.extended or not self.sim.training[base]:
+        if c.extended or not self.sim.due(base, c.deadline):
             self.close(c)
 
     def close(self, c: Combine) -> None:

@@ -36,6 +36,9 @@ class SwarmSimSpec:
     """Seconds per inner step of the fastest device; the others follow `heterogeneity`."""
     heterogeneity: str = "slight"
     """Device speeds, as `simulate` draws them (ALGORITHMS §2.8)."""
+    jitter: float = 0.05
+    """Each phase lasts its steps × the device's step time × a log-normal factor of mean 1 and
+    this spread (real phases never end at the same instant)."""
     model_mb: float = 80.0
     """θ in fp32, MB (the 20m preset is about 80 MB)."""
     compression: str = "int8"
@@ -53,6 +56,9 @@ class SwarmSimSpec:
     """How long a DHT record (head, seal) takes to be read by the others."""
     round_overhead_s: float = 1.0
     """Matchmaking's answer, the commit step and the receipt echo, per group."""
+    catch_up_s: float = 1.0
+    """A catch-up's fixed cost besides its bytes: reading heads, asking donors, verifying the
+    certificates and hashes."""
     hierarchy: str = "none"
     """`none`: one group per version (today's protocol; a second group on the same base gives
     up or forks); `two-stage`: several groups per version, their averages combined by one
@@ -92,9 +98,11 @@ class SwarmSimSpec:
         _int("seed", self.seed, 0, 2**63 - 1)
         for name, low, high, strict in (
             ("hours", 0, 1000, True), ("churn_per_hour", 0, 100, False), ("step_s", 0, 1e6, True),
+            ("jitter", 0, 2, False),
             ("model_mb", 0, 1e7, True), ("bandwidth_mbit", 0, 1e6, True),
             ("latency_s", 0, 60, False), ("dht_delay_s", 0, 600, False),
-            ("round_overhead_s", 0, 600, False), ("sync_timeout_s", 0, 1e5, True),
+            ("round_overhead_s", 0, 600, False), ("catch_up_s", 0, 600, False),
+            ("sync_timeout_s", 0, 1e5, True),
             ("allreduce_timeout_s", 0, 1e5, True), ("grace_s", 0, 1e5, False),
         ):  # fmt: skip
             _float(name, getattr(self, name), low, high, strict)

@@ -93,6 +93,11 @@ class Tally:
             "config": self.spec.to_dict(),
             "versions": len(chain),
             "versions_per_hour": len(chain) / hours,
+            "versions_per_hour_steady": (
+                (len(chain) - 1) / (times[-1] - times[0]) * 3600
+                if len(chain) > 1 and times[-1] > times[0]
+                else None
+            ),  # fmt: skip
             "forks": sim.history.forks,
             "lost_forks": self.lost_forks,
             "phases": {
