@@ -129,7 +129,8 @@ def render(doc: dict[str, Any]) -> str:
         "",
         f"`{doc['command']}`: {doc['peers']} real peers on 127.0.0.1 (nano, {doc['protocol']}, "
         f"H {doc['inner_steps']}, one thread each, {doc['minutes']} min per group size), then "
-        f"`simulate-swarm` with the measured median step time ({doc['step_s']:.3f} s), a "
+        "`simulate-swarm` with each run's measured median step time (the device: "
+        f"{doc['step_s']:.3f} s in the calibration run), a "
         f"round cost of {doc['overhead_s']:.1f} s calibrated on the first group size's run, "
         f"a catch-up's fixed cost of {doc['catch_up_s']:.1f} s (the real runs' median), "
         f"DHT delay {doc['dht_delay_s']} s, phase jitter 0.05. Versions per minute between the "
@@ -184,7 +185,8 @@ def main() -> None:
     catch_up_s = statistics.median(measured) if measured else 1.0
     mb = model_mb()
     rows = [{"group_size": g, "calibration": g == sizes[0], "real": reals[g],
-             "sim": predict(a, g, reals[g], overhead, mb, step_s, catch_up_s)}
+             "sim": predict(a, g, reals[g], overhead, mb, 1 / reals[g]["median_speed"],
+                            catch_up_s)}
             for g in sizes]  # fmt: skip
     doc = {"command": "python bench/swarm_sim_check.py " + " ".join(sys.argv[1:]),
            "peers": a.peers, "protocol": a.protocol, "inner_steps": a.inner_steps,

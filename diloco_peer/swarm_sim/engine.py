@@ -232,11 +232,10 @@ class SwarmSim:
         p.phase = (self.tally.phase_started(p), p.version, self.now)
         self.training.setdefault(p.state, {})[p.id] = p.eta
         self.publish(p)
-        self.at(p.eta, self.live(self.phase_end), p, steps)
+        self.at(p.eta, self.live(self.phase_end), p, steps, p.phase)
 
-    def phase_end(self, p: Peer, steps: int) -> None:
-        assert p.phase is not None
-        phase, base, started = p.phase
+    def phase_end(self, p: Peer, steps: int, phase_of: tuple[int, int, float]) -> None:
+        phase, base, started = phase_of
         training = self.training[p.state]
         del training[p.id]
         if not training:
@@ -249,7 +248,8 @@ class SwarmSim:
 
     def contribute(self, p: Peer) -> None:
         """Round.run / Round.contribute: one try to get `p.mine` into a group."""
-        assert p.mine is not None
+        if p.mine is None:
+            raise RuntimeError(f"{p.id} contributes without a δ: a bug in the simulator")
         p.tries += 1
         if p.tries > 2 + self.spec.staleness_limit:
             self.keep(p, "moving swarm")
@@ -393,7 +393,8 @@ class SwarmSim:
         return self.history.commit(base, tuple(m.id for m in members), phases, self.now)
 
     def apply(self, m: Peer, state: str, size: int) -> None:
-        assert m.mine is not None
+        if m.mine is None:
+            raise RuntimeError(f"{m.id} applies a version without a δ: a bug in the simulator")
         m.version, m.state, m.last_own = self.history.states[state].version, state, (state, m.mine)
         self.tally.applied_round(m, self.now - m.round_start, size)
         m.mine = None
