@@ -308,12 +308,12 @@ class SwarmSim:
             self.no_group(members[0])
 
     def due(self, base: str, until: float) -> bool:
-        """A live peer at `base` is training and a round waits for it: sync waits for every
-        one, async for those whose phase ends by `until` (`SwarmView.expected_soon`)."""
+        """A live peer at `base` is training, and a two-stage round waits for it: in both
+        protocols (measured: an async combine that waits only for the peers due by `until`,
+        as async's stage one does, leaves late groups to a second combine on the same base,
+        which forks or gives up: 82 forks in an hour of 100 peers, 0.68 of phases applied)."""
         etas = self.training.get(base, {})
-        if self.spec.protocol == "sync":
-            return bool(etas)
-        return any(eta <= until for eta in etas.values())
+        return bool(etas)
 
     def search_over(self, base: str) -> None:
         self.searching[base] -= 1
