@@ -283,7 +283,7 @@ class SwarmSim:
         forming.members.append(p.id)
         if len(forming.members) >= forming.target:
             self.close(forming)
-        elif self.combiner is not None and not self.due(key, forming.deadline):
+        elif self.combiner is not None and not self.due(key):
             # two-stage: nobody else will come in time (no head at this base shows a phase
             # ending before the search does): every group forming here closes now
             for f in list(self.lobbies.get(key, ())):
@@ -307,13 +307,12 @@ class SwarmSim:
         if members:
             self.no_group(members[0])
 
-    def due(self, base: str, until: float) -> bool:
+    def due(self, base: str) -> bool:
         """A live peer at `base` is training, and a two-stage round waits for it: in both
-        protocols (measured: an async combine that waits only for the peers due by `until`,
+        protocols (measured: an async combine that waits only for the peers due within its window,
         as async's stage one does, leaves late groups to a second combine on the same base,
         which forks or gives up: 82 forks in an hour of 100 peers, 0.68 of phases applied)."""
-        etas = self.training.get(base, {})
-        return bool(etas)
+        return bool(self.training.get(base))
 
     def search_over(self, base: str) -> None:
         self.searching[base] -= 1

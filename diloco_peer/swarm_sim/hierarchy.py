@@ -98,7 +98,7 @@ class Combiner:
         c = self.forming.get(base)
         if c is None:
             return
-        if c.extended or not self.sim.due(base, c.deadline):
+        if c.extended or not self.sim.due(base):
             self.close(c)
 
     def close(self, c: Combine) -> None:
