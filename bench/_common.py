@@ -4,7 +4,9 @@ diloco_peer/peer/events.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 
 def write_section(path: Path, generated: str, begin: str, end: str, notes_marker: str) -> None:
@@ -23,3 +25,15 @@ def write_section(path: Path, generated: str, begin: str, end: str, notes_marker
     if not section.endswith("\n"):
         section += "\n"
     path.write_text(f"{head}{section}{end}{tail}", encoding="utf-8")
+
+
+def publish(doc: dict[str, Any], json_path: Path | None, markdown: Path | None, section: str,
+            begin: str, end: str, notes_marker: str) -> None:  # fmt: skip
+    """A bench's result: the JSON document on stdout, in `json_path` if given, and its rendered
+    `section` in the `markdown` page if given (`write_section`)."""
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if json_path:
+        json_path.write_text(text)
+    if markdown:
+        write_section(markdown, section, begin, end, notes_marker)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
+from _common import publish  # noqa: E402
 from paper_tables import run_simulate, time_to_reach  # noqa: E402
 
 BEGIN = "<!-- begin: bench/async_robustness.py -->"
@@ -296,12 +296,7 @@ def main() -> None:
         "summary": summarize(cells, results, names), "wall_s": time.time() - t0,
         "cells_planned": len(cells),
     }  # fmt: skip
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if a.json:
-        a.json.write_text(text)
-    if a.markdown:
-        write_section(a.markdown, render(doc), BEGIN, END, NOTES)
+    publish(doc, a.json, a.markdown, render(doc), BEGIN, END, NOTES)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ workers' mean compute utilization. Runs are kept as JSON under bench/results/asy
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
+from _common import publish  # noqa: E402
 from async_robustness import CODE, KEPT, simulate  # noqa: E402
 from paper_tables import time_to_reach  # noqa: E402
 
@@ -153,12 +152,7 @@ def main() -> None:
         "comm_share": a.comm_share, "comm_s": comm_seconds(a.het, a.workers, a.H, a.comm_share),
         "summary": summarize(a, rules[1:], results), "wall_s": time.time() - t0,
     }  # fmt: skip
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if a.json:
-        a.json.write_text(text)
-    if a.markdown:
-        write_section(a.markdown, render(doc), BEGIN, END, NOTES)
+    publish(doc, a.json, a.markdown, render(doc), BEGIN, END, NOTES)
 
 
 if __name__ == "__main__":

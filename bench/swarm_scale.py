@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
+from _common import publish, write_section  # noqa: E402
 
 from diloco_peer.swarm_sim import SwarmSimSpec, simulate_swarm  # noqa: E402
 
@@ -118,12 +118,7 @@ def main() -> None:
         "command": "python bench/swarm_scale.py " + " ".join(sys.argv[1:]),
         "hours": a.hours, "churn": a.churn, "runs": docs, "wall_s": time.time() - t0,
     }  # fmt: skip
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if a.json:
-        a.json.write_text(text)
-    if a.markdown:
-        write_section(a.markdown, render(doc), BEGIN, END, NOTES)
+    publish(doc, a.json, a.markdown, render(doc), BEGIN, END, NOTES)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
+from _common import publish  # noqa: E402
 
 from diloco_peer.config import default_run  # noqa: E402
 from diloco_peer.coordinator_free.manifest import dump_run_config  # noqa: E402
@@ -193,12 +193,7 @@ def main() -> None:
            "minutes": a.minutes, "step_s": step_s, "overhead_s": overhead, "model_mb": mb,
            "dht_delay_s": a.dht_delay_s, "catch_up_s": catch_up_s,
            "rows": rows}  # fmt: skip
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if a.json:
-        a.json.write_text(text)
-    if a.markdown:
-        write_section(a.markdown, render(doc), BEGIN, END, NOTES)
+    publish(doc, a.json, a.markdown, render(doc), BEGIN, END, NOTES)
 
 
 if __name__ == "__main__":
