@@ -229,7 +229,7 @@ class SwarmSim:
             sigma = self.spec.jitter
             took *= math.exp(self.rng.gauss(-sigma * sigma / 2, sigma))
         p.eta, p.in_group = self.now + took, False
-        p.phase = (self.tally.phase_started(p), p.version, self.now)
+        p.phase = (self.tally.phase_started(), p.version, self.now)
         self.training.setdefault(p.state, {})[p.id] = p.eta
         self.publish(p)
         self.at(p.eta, self.live(self.phase_end), p, steps, p.phase)
@@ -240,7 +240,7 @@ class SwarmSim:
         del training[p.id]
         if not training:
             del self.training[p.state]
-        self.tally.phase_finished(p, phase, self.now - started)
+        self.tally.phase_finished(phase, self.now - started)
         p.speed, p.eta, p.phase = steps / (self.now - started), None, None
         p.mine, p.pending = Delta((phase,), base).merge(p.pending), None
         p.tries, p.waited_again, p.round_start = 0, False, self.now
@@ -395,7 +395,7 @@ class SwarmSim:
         if m.mine is None:
             raise RuntimeError(f"{m.id} applies a version without a δ: a bug in the simulator")
         m.version, m.state, m.last_own = self.history.states[state].version, state, (state, m.mine)
-        self.tally.applied_round(m, self.now - m.round_start, size)
+        self.tally.group_sizes.append(size)
         m.mine = None
         self.end_round(m)
 
@@ -405,7 +405,7 @@ class SwarmSim:
         self.end_round(p)
 
     def end_round(self, p: Peer) -> None:
-        self.tally.waited(p, self.now - p.round_start)
+        self.tally.wait_s.append(self.now - p.round_start)
         p.in_group, p.mine = False, None
         self.publish(p)
         self.start_round(p)

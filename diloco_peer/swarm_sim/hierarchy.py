@@ -61,8 +61,6 @@ class Combiner:
     def __init__(self, sim: SwarmSim) -> None:
         self.sim = sim
         self.forming: dict[str, Combine] = {}
-        self.combines = 0
-        self.lost_groups = 0
 
     def group_done(self, members: tuple[Peer, ...], base: str, window: float) -> None:
         """A stage-one group finished its all-reduce; its delegate goes to the combine, which
@@ -153,9 +151,7 @@ class Combiner:
             for g in groups:
                 self.give_up(g, "rival")
             return
-        self.combines += 1
         state = sim.seal(members, base)
-        replay_s = sim.spec.model_bytes
         for g in groups:
             g.settled = True
             for m in g.members:
@@ -165,7 +161,7 @@ class Combiner:
                     sim.apply(m, state, len(members))
                 else:  # the others replay the update from a delegate
                     sim.tally.received(m, sim.spec.model_bytes, "replay")
-                    took = 2 * sim.spec.latency_s + replay_s / m.bytes_per_s
+                    took = 2 * sim.spec.latency_s + sim.spec.model_bytes / m.bytes_per_s
                     sim.at(sim.now + took, sim.live(sim.apply), m, state, len(members))
 
     def give_up(self, g: GroupAverage, why: str) -> None:
@@ -177,5 +173,4 @@ class Combiner:
     def expire(self, g: GroupAverage) -> None:
         """No combined update came in time (the delegate died, or the combine failed)."""
         if not g.settled:
-            self.lost_groups += 1
             self.give_up(g, "no combined update")

@@ -36,11 +36,11 @@ class Tally:
     lost_with_crash: set[int] = field(default_factory=set)
     doc: dict[str, Any] = field(default_factory=dict)
 
-    def phase_started(self, p: Peer) -> int:
+    def phase_started(self) -> int:
         self.started += 1
         return self.started
 
-    def phase_finished(self, p: Peer, phase: int, seconds: float) -> None:
+    def phase_finished(self, phase: int, seconds: float) -> None:
         self.finished.add(phase)
         self.compute_s += seconds
 
@@ -52,12 +52,6 @@ class Tally:
         """An all-reduce: `nbytes` each way."""
         self.recv[p.id] += nbytes
         self.sent[p.id] += nbytes
-
-    def applied_round(self, p: Peer, wait_s: float, size: int) -> None:
-        self.group_sizes.append(size)
-
-    def waited(self, p: Peer, seconds: float) -> None:
-        self.wait_s.append(seconds)
 
     def kept(self, why: str) -> None:
         self.kept_why[why] += 1
