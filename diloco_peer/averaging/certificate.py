@@ -18,7 +18,12 @@ rules:
   norms, with slack for compressed all-reduces), and no longer than `history_factor` times the
   median of the updates this peer applied recently: it is screened as a contribution is;
 - a lone commit (one member: an async group of one) has one signature, so one key's word: its
-  average must be exactly the δ its header digests, which the screens above bound.
+  average must be exactly the δ its header digests, which the screens above bound;
+- a two-stage update (averaging/hierarchy.py) names its stage-one groups (`GroupPart`), which
+  partition its members: each group's delegate sealed the statement, every other member its
+  group's stage-one statement (the group and the digest of the group's average). With one
+  group, one key sealed the result: the average must be the group's, digest for digest; with
+  more, as many delegates' keys vouch for the combination.
 
 Nothing here touches the network or a clock.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import math
 import re
@@ -47,9 +53,12 @@ from diloco_peer.errors import DilocoError
 from diloco_peer.identity import Identity, IdentityError, peer_id_from_public_key, verify
 
 FORMAT = "diloco-peer/seal-v1"
+STAGE_ONE_FORMAT = "diloco-peer/stage-one-v1"
+"""A two-stage member's statement: its group, and the digest of the group's average."""
 _SIGNING_CONTEXT = FORMAT.encode() + b"\n"
-MAX_SEAL_BYTES = 4096
-"""A seal is a short statement digest's worth of JSON plus one RSA signature."""
+MAX_SEAL_BYTES = 16 * 1024
+"""A seal is a statement (its member list: about 55 bytes a member) plus one RSA signature and
+key (about 1 kB); as `coordinator_free.seals.MAX_SEAL_BYTES`."""
 MAX_MEMBERS = 256
 """Members one certificate may name (a group is far smaller)."""
 NORM_SLACK = 1.25
@@ -79,7 +88,11 @@ class CertificateError(DilocoError):
 
 @dataclass(frozen=True)
 class Statement:
-    """What every member of a commit signs: version `base_version` + 1 is this update."""
+    """What every member of a commit signs: version `base_version` + 1 is this update.
+
+    In two-stage averaging (averaging/hierarchy.py) a member that is not its group's delegate
+    signs a stage-one statement instead (`stage_one`): `members` is its group and `result_hash`
+    the digest (`contribution.delta_digest`) of the group's average it holds."""
 
     run: str
     base_version: int
@@ -87,6 +100,7 @@ class Statement:
     result_hash: str
     members: tuple[str, ...]
     """Sorted peer ids whose δs are in the average."""
+    stage_one: bool = False
 
     @property
     def count(self) -> int:
@@ -94,7 +108,7 @@ class Statement:
 
     def canonical_bytes(self) -> bytes:
         doc = {
-            "format": FORMAT, "run": self.run, "base_version": self.base_version,
+            "format": STAGE_ONE_FORMAT if self.stage_one else FORMAT, "run": self.run, "base_version": self.base_version,
             "base_hash": self.base_hash, "result_hash": self.result_hash,
             "members": list(self.members), "count": self.count,
         }  # fmt: skip
@@ -164,7 +178,9 @@ def open_seal(data: object, signer: str) -> Statement | None:
         doc = json.loads(canonical)
     except (IdentityError, ValueError, RecursionError):
         return None
-    if not isinstance(doc, dict) or set(doc) != _STATEMENT_FIELDS or doc["format"] != FORMAT:
+    if not isinstance(doc, dict) or set(doc) != _STATEMENT_FIELDS:
+        return None
+    if doc["format"] not in (FORMAT, STAGE_ONE_FORMAT):
         return None
     members = doc["members"]
     if not isinstance(members, list) or not 1 <= len(members) <= MAX_MEMBERS:
@@ -179,7 +195,10 @@ def open_seal(data: object, signer: str) -> Statement | None:
         isinstance(h, str) and _HEX.fullmatch(h) for h in hashes
     ):
         return None
-    statement = Statement(doc["run"], version, hashes[0], hashes[1], tuple(members))
+    statement = Statement(
+        doc["run"], version, hashes[0], hashes[1], tuple(members),
+        stage_one=doc["format"] == STAGE_ONE_FORMAT,
+    )  # fmt: skip
     if statement.canonical_bytes() != canonical or signer not in statement.members:
         return None
     return statement if verify(key, _SIGNING_CONTEXT + canonical, signature) else None
@@ -193,14 +212,87 @@ def rival_claims(found: Mapping[str, bytes], mine: Statement) -> list[Statement]
     signers: dict[Statement, set[str]] = {}
     for signer, data in found.items():
         statement = open_seal(data, signer)
-        if statement is None or statement == mine:
-            continue
+        if statement is None or statement == mine or statement.stage_one:
+            continue  # a stage-one statement commits nothing
         same_base = (statement.run, statement.base_version, statement.base_hash) == (
             mine.run, mine.base_version, mine.base_hash,
         )  # fmt: skip
         if same_base:
             signers.setdefault(statement, set()).add(signer)
     return [s for s, who in signers.items() if len(who) >= 2]
+
+
+@dataclass(frozen=True)
+class GroupPart:
+    """One stage-one group of a two-stage update: its members (sorted) and the digest of the
+    group's average, as its members sealed them (`Statement.stage_one`)."""
+
+    members: tuple[str, ...]
+    digest: str
+
+
+def delegate(members: Sequence[str], base_hash: str) -> str:
+    """The member that takes a stage-one group's average to the combine: the one whose
+    sha256(peer id, base hash) is least, which every member (and every verifier) names alike."""
+    return min(members, key=lambda m: hashlib.sha256(f"{m}/{base_hash}".encode()).digest())
+
+
+def pack_groups(groups: Sequence[GroupPart]) -> str:
+    """A two-stage update's groups as one JSON text (an update record's `info["groups"]`)."""
+    return json.dumps(
+        [{"members": list(g.members), "digest": g.digest} for g in groups],
+        sort_keys=True, separators=(",", ":"),
+    )  # fmt: skip
+
+
+def unpack_groups(text: object) -> tuple[GroupPart, ...] | None:
+    """The inverse of `pack_groups`; None when there is no text (a one-stage update);
+    CertificateError for anything malformed."""
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise CertificateError("the update's groups are not text")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        raise CertificateError("the update's groups are not JSON") from None
+    if not isinstance(doc, list) or not 1 <= len(doc) <= MAX_MEMBERS:
+        raise CertificateError(f"the update must name 1 to {MAX_MEMBERS} groups")
+    groups = []
+    for g in doc:
+        if not isinstance(g, dict) or set(g) != {"members", "digest"}:
+            raise CertificateError("a group must have members and a digest")
+        members, digest = g["members"], g["digest"]
+        if not isinstance(members, list) or not 1 <= len(members) <= MAX_MEMBERS:
+            raise CertificateError("a group's members must be a list of peer ids")
+        if not all(isinstance(m, str) and _PEER_ID.fullmatch(m) for m in members):
+            raise CertificateError("a group's members must be peer ids")
+        if members != sorted(set(members)):
+            raise CertificateError("a group's members must be sorted and distinct")
+        if not isinstance(digest, str) or not _HEX.fullmatch(digest):
+            raise CertificateError("a group's digest is malformed")
+        groups.append(GroupPart(tuple(members), digest))
+    return tuple(groups)
+
+
+def _sealed(statement: Statement, groups: Sequence[GroupPart] | None) -> dict[str, Statement]:
+    """What each member of `statement` must have sealed: the statement itself (one-stage), or
+    in a two-stage update its group's stage-one statement, the delegates the statement; the
+    groups must partition the members."""
+    if groups is None:
+        return {m: statement for m in statement.members}
+    named = [m for g in groups for m in g.members]
+    if len(named) != len(set(named)) or tuple(sorted(named)) != statement.members:
+        raise CertificateError("the update's groups do not partition its members")
+    sealed: dict[str, Statement] = {}
+    for g in groups:
+        first = Statement(
+            statement.run, statement.base_version, statement.base_hash, g.digest, g.members,
+            stage_one=True,
+        )  # fmt: skip
+        chosen = delegate(g.members, statement.base_hash)
+        sealed.update({m: statement if m == chosen else first for m in g.members})
+    return sealed
 
 
 def pack_headers(headers: Mapping[str, bytes]) -> str:
@@ -250,14 +342,18 @@ def verify_update(
     headers: Mapping[str, bytes],
     seals: Mapping[str, bytes],
     rules: Rules,
+    groups: Sequence[GroupPart] | None = None,
 ) -> Statement:
-    """The verified statement of one update, or CertificateError saying which rule it breaks."""
+    """The verified statement of one update, or CertificateError saying which rule it breaks.
+    `groups`: a two-stage update's stage-one groups (None: one group, every member sealed the
+    statement)."""
     members = tuple(sorted(headers))
     if count != len(members):
         raise CertificateError(f"the update counts {count} members but carries {len(members)}")
     if not _HEX.fullmatch(base_hash) or not _HEX.fullmatch(result_hash):
         raise CertificateError("the update's hashes are malformed")
     statement = Statement(rules.run, base_version, base_hash, result_hash, members)
+    sealed = _sealed(statement, groups)
     parsed: dict[str, ContributionHeader] = {}
     for member in members:
         try:
@@ -275,7 +371,7 @@ def verify_update(
         lie = claim_lie(header, rules.limits)
         if lie is not None:
             raise CertificateError(f"header of {member[-8:]}: {lie}")
-        if not seal_verifies(seals.get(member), statement, header.public_key):
+        if not seal_verifies(seals.get(member), sealed[member], header.public_key):
             raise CertificateError(f"no valid seal of {member[-8:]} for this update")
         parsed[member] = header
     totals: dict[int, int] = {}
@@ -288,6 +384,10 @@ def verify_update(
     if len(members) == 1:
         if digest != parsed[members[0]].digest:
             raise CertificateError("a lone commit's average is not the δ its header names")
+    elif groups is not None and len(groups) == 1:
+        # one delegate sealed it: its average must be the one its group's members sealed
+        if digest != groups[0].digest:
+            raise CertificateError("a one-group update's average is not its group's")
     else:
         bound = NORM_SLACK * math.sqrt(sum(h.norm**2 for h in parsed.values()))
         if norm > bound:

@@ -54,7 +54,7 @@ from diloco_peer.config import RunSpec, SwarmSettings, Weighting
 from diloco_peer.errors import DilocoError, IdentityError
 from diloco_peer.identity import Identity, peer_id_from_public_key, verify
 
-FORMAT = "diloco-peer/contribution-v2"  # v2: the `silent` list
+FORMAT = "diloco-peer/contribution-v3"  # v2: the `silent` list; v3: `expected`
 _SIGNING_CONTEXT = FORMAT.encode() + b"\n"
 MAX_HEADER_BYTES = 16 * 1024
 _MAX_SHARDS = 4096
@@ -66,8 +66,10 @@ _KEY = re.compile(r"^[A-Za-z0-9_]{1,64}\Z")
 _FIELDS = {
     "format", "run", "peer", "public_key", "key", "version", "state_hash", "base_version",
     "steps", "samples", "shards", "numel", "shapes", "norm", "digest", "nonce", "bans", "silent",
-    "time",
+    "time", "expected",
 }  # fmt: skip
+MAX_EXPECTED = 1_000_000
+"""The most peers a header may say its round waits for."""
 
 
 class ContributionRejected(DilocoError):
@@ -117,6 +119,10 @@ class ContributionHeader:
     silent: tuple[str, ...] = ()
     """Members this peer waited for in vain in a recent round (`Silence`): they sent no part."""
     time: float = field(default_factory=time.time)
+    expected: int = 0
+    """How many peers (this one included) its round waits for at this version: more than the
+    group size in any admitted member's header makes the group's average go to a combine
+    (two-stage averaging, averaging/hierarchy.py); 0 says nothing."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,7 +133,7 @@ class ContributionHeader:
             "shards": {str(k): v for k, v in sorted(self.shards.items())}, "numel": self.numel,
             "shapes": self.shapes, "norm": self.norm, "digest": self.digest,
             "nonce": self.nonce, "bans": list(self.bans), "silent": list(self.silent),
-            "time": self.time,
+            "time": self.time, "expected": self.expected,
         }  # fmt: skip
 
     def canonical_bytes(self) -> bytes:
@@ -193,6 +199,8 @@ class ContributionHeader:
         for name in ints:
             if not _is_int(doc[name]) or not 0 <= doc[name] <= _MAX_INT:
                 raise ContributionRejected(f"header {name} must be a non-negative integer")
+        if not _is_int(doc["expected"]) or not 0 <= doc["expected"] <= MAX_EXPECTED:
+            raise ContributionRejected(f"header expected must be an integer in 0..{MAX_EXPECTED}")
         for name in ("norm", "time"):
             value = doc[name]
             if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
@@ -230,7 +238,7 @@ class ContributionHeader:
             base_version=doc["base_version"], steps=doc["steps"], samples=doc["samples"],
             shards=parsed, numel=doc["numel"], shapes=doc["shapes"], norm=float(doc["norm"]),
             digest=doc["digest"], nonce=doc["nonce"], bans=tuple(doc["bans"]),
-            silent=tuple(doc["silent"]), time=float(doc["time"]),
+            silent=tuple(doc["silent"]), time=float(doc["time"]), expected=doc["expected"],
         )  # fmt: skip
 
 

@@ -34,9 +34,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10: no TOML reader in the standard library
     tomllib = None
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped whenever peers of different builds could no longer train together (2: heads carry
-`utilization`, which a build of 1 refuses as an unknown field)."""
+`utilization`, which a build of 1 refuses as an unknown field; 3: contribution headers carry
+`expected`, two-stage averaging)."""
 MAX_MANIFEST_BYTES = 64 * 1024
 RUN_NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
 

@@ -23,8 +23,10 @@ from diloco_peer.identity import Identity
 
 SEAL_EXPIRATION_S = 900.0
 """How long a seal stays in the DHT: replays reach a few versions, minutes apart."""
-MAX_SEAL_BYTES = 4096
-"""A seal is a statement and one signature; larger values are not read."""
+MAX_SEAL_BYTES = 16 * 1024
+"""A seal is a statement and one signature; larger values are not read (as
+`averaging.certificate.MAX_SEAL_BYTES`: a two-stage statement names every member of the
+version, about 55 bytes each)."""
 
 
 def seals_key(run: str, base_version: int) -> str:

@@ -24,6 +24,7 @@ from diloco_peer.averaging.certificate import (
     Statement,
     rival_claims,
     seal,
+    unpack_groups,
     unpack_headers,
     verify_update,
 )
@@ -66,6 +67,15 @@ class Certifier:
         """Sign the update we are committing and store the seal (a failure is logged: our
         commit stands, but others cannot replay it from a certificate missing our seal)."""
         self._store(record.base_version, self.seal_bytes(record))
+
+    def seal_statement(self, statement: Statement) -> None:
+        """Sign and store a statement of ours that is no commit of ours (a two-stage member's
+        stage-one statement: its group and the digest of the group's average)."""
+        self._store(statement.base_version, seal(self.identity, statement))
+
+    def read(self, base_version: int) -> dict[str, bytes]:
+        """The seals stored on top of `base_version`, by signer (unchecked bytes)."""
+        return self._read(base_version)
 
     def rivals(self, record: UpdateRecord) -> list[Statement]:
         """Other groups whose members sealed another update on the same base (read after our
@@ -122,6 +132,7 @@ class Certifier:
             result_hash=record.result_hash, count=record.count,
             shard_samples=record.shard_samples, average=record.average,
             headers=unpack_headers(record.info.get("headers")), seals=found, rules=rules,
+            groups=unpack_groups(record.info.get("groups")),
         )  # fmt: skip
 
     def _read(self, base_version: int) -> dict[str, bytes]:

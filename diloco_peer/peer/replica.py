@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from diloco_peer.averaging.certificate import pack_headers
+from diloco_peer.averaging.certificate import GroupPart, pack_groups, pack_headers
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import MAX_SAFETENSORS_HEADER_BYTES
 from diloco_peer.coordinator_free.state_transfer import StateBlob
@@ -137,17 +137,21 @@ class Replica:
         members: Sequence[str],
         shard_samples: dict[int, int],
         headers: Mapping[str, bytes],
+        groups: Sequence[GroupPart] | None = None,
     ) -> UpdateRecord:
         """Apply a group's average to the state (identical on every member), not yet published:
-        the update, with the members' signed `headers` for its certificate (peer/certify.py).
-        `publish` keeps it; `restore` gives it up."""
+        the update, with the members' signed `headers` for its certificate (peer/certify.py),
+        and a two-stage update's `groups`. `publish` keeps it; `restore` gives it up."""
         base_version, base_hash = self.state.version, self.published_hash
         self.state.apply(average, len(members), shard_samples)
+        info = {"members": ",".join(members), "headers": pack_headers(headers)}
+        if groups is not None:
+            info["groups"] = pack_groups(groups)
         return UpdateRecord(
             base_version=base_version, base_hash=base_hash, result_hash=self.state.hash(),
             count=len(members), shard_samples=dict(shard_samples),
             average=tuple(a.to("cpu", torch.float32).contiguous() for a in average),
-            info={"members": ",".join(members), "headers": pack_headers(headers)},
+            info=info,
         )  # fmt: skip
 
     def publish(self, record: UpdateRecord) -> None:

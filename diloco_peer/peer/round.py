@@ -25,8 +25,9 @@ from typing import Protocol
 import torch
 from hivemind.utils import get_dht_time
 
-from diloco_peer.averaging.certificate import Statement
+from diloco_peer.averaging.certificate import Statement, unpack_headers
 from diloco_peer.averaging.group_averager import GroupAverager, GroupResult
+from diloco_peer.averaging.hierarchy import two_stage
 from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free.swarm_view import group_plan
 from diloco_peer.coordinator_free.update_log import UpdateRecord
@@ -36,6 +37,7 @@ from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.heads import Activity, HeadChannel
 from diloco_peer.peer.phase import Training
 from diloco_peer.peer.replica import Replica
+from diloco_peer.peer.stage_two import Combined, StageTwo
 from diloco_peer.peer.telemetry import Counters, RoundReport, TensorBoard
 from diloco_peer.peer.trust import Guard, Offer
 
@@ -111,6 +113,10 @@ class Sealer(Protocol):
 
     def void(self, record: UpdateRecord) -> None: ...
 
+    def seal_statement(self, statement: Statement) -> None: ...
+
+    def read(self, base_version: int) -> dict[str, bytes]: ...
+
 
 class Round:
     """Runs the contribution of one δ to the end: applied, kept or dropped."""
@@ -134,10 +140,11 @@ class Round:
         certifier: Sealer,
     ) -> None:
         self.me, self.swarm, self.replica, self.training = me, swarm, replica, training
-        self.guard, self._averager, self.heads = guard, averager, heads
+        self.guard, self.averager, self.heads = guard, averager, heads
         self.activity, self.counters, self.ledger = activity, counters, ledger
-        self.events, self.tensorboard, self._catch_up = events, tensorboard, catch_up
+        self.events, self.tensorboard, self.catch_up = events, tensorboard, catch_up
         self.certifier = certifier
+        self.stage_two = StageTwo()
         """Seals what we commit; tells whether another group committed the same version."""
         self.co_planners: list[str] = []
         """The other members of the group committed last: they plan their next phase with us."""
@@ -172,10 +179,10 @@ class Round:
         )  # fmt: skip
         if plan is None:  # alone in the swarm (Lookahead mode), or nobody worth waiting for
             return self.commit(mine, [self.me], None, loss, t0)
-        key, offer, weight = self._offer(mine, announce=True)
+        key, offer, weight = self._offer(mine, announce=True, expected=len(plan.wait_for) + 1)
         waited = time.time()
         try:
-            result = self._averager().average(
+            result = self.averager().average(
                 key, offer.delta, weight=weight, gather=offer.gather,
                 target_size=plan.target_size, matchmaking_timeout_s=plan.timeout_s,
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
@@ -195,24 +202,32 @@ class Round:
             self._silent(e.silent)
             return self.keep(mine, f"all-reduce failed: {e}", t0)
         self.counters.wait_s += time.time() - waited
-        if not self.asynchronous:
-            self.heads.book.mark_absent(view.heads, present=result.members, now=time.time())
         self.guard.settle(result, self.replica.version)
         self._log_exclusions(loss)
+        headers = {p: self.guard.admitted[p] for p in result.contributors
+                   if p in self.guard.admitted}  # fmt: skip
+        if two_stage(headers, self.swarm.group_size):  # several groups at this version
+            return self.stage_two.run(self, mine, key, offer, result, plan.timeout_s, loss, t0)
+        if not self.asynchronous:
+            self.heads.book.mark_absent(view.heads, present=result.members, now=time.time())
         return self.commit(
             mine, result.contributors, result, loss, t0, self.guard.group_shards(result),
             self.guard.staleness(result, self.replica.version),
         )  # fmt: skip
 
-    def _offer(self, mine: Contribution, *, announce: bool) -> tuple[str, Offer, float]:
+    def _offer(
+        self, mine: Contribution, *, announce: bool, expected: int = 0
+    ) -> tuple[str, Offer, float]:
         """Sign `mine` for a group keyed by our version and state (peers on two branches of a
-        fork never average together: each would apply the average to another base), and, if
-        `announce`, say that we are looking for one."""
+        fork never average together: each would apply the average to another base), saying how
+        many peers our round waits for (`expected`: two-stage averaging), and, if `announce`,
+        say that we are looking for one."""
         version, state_hash = self.replica.version, self.replica.published_hash
         key = f"v{version}_{state_hash[:16]}"
         offer = self.guard.offer(
             mine.delta, key=key, version=version, state_hash=state_hash,
             base_version=mine.base_version, steps=mine.steps, shard_samples=mine.shard_samples,
+            expected=expected,
         )  # fmt: skip
         if announce:
             self.heads.publish(in_group=True)
@@ -245,7 +260,7 @@ class Round:
         # head and try there. If a peer at our state says it is looking for a group too,
         # matchmaking missed it: look once more instead of forking the state. Otherwise apply
         # our δ alone (a group of one).
-        if self._catch_up():
+        if self.catch_up():
             return RoundOutcome(RoundStatus.RETRY)
         if not self._waited_again and self.heads.view().someone_grouping():
             self._waited_again = True
@@ -261,19 +276,24 @@ class Round:
         t0: float,
         group_shards: dict[int, int] | None = None,
         stalenesses: dict[str, int] | None = None,
+        combined: Combined | None = None,
     ) -> RoundOutcome:
-        """Apply the group's average (ours alone when `result` is None): v -> v+1, identical on
-        every member."""
+        """Apply the group's average (ours alone when `result` is None, the combination of
+        several groups' with `combined`): v -> v+1, identical on every member."""
         comm_s = time.time() - t0
         staleness = self.replica.version - mine.base_version
-        if result is None:  # a lone commit: our own signed header is its certificate's
+        if combined is not None:
+            record = self.replica.prepare(
+                combined.average, members, combined.shard_samples, combined.headers,
+                groups=combined.groups,
+            )  # fmt: skip
+        elif result is None:  # a lone commit: our own signed header is its certificate's
             headers = {self.me: self._offer(mine, announce=False)[1].gather}
+            record = self.replica.prepare(mine.delta, members, mine.shard_samples, headers)
         else:
             headers = self.guard.signed_headers(members)
-        record = self.replica.prepare(
-            mine.delta if result is None else result.average, members,
-            mine.shard_samples if group_shards is None else group_shards, headers,
-        )  # fmt: skip
+            shards = mine.shard_samples if group_shards is None else group_shards
+            record = self.replica.prepare(result.average, members, shards, headers)
         self.certifier.seal(record)
         rivals = self.certifier.rivals(record) if result is not None else []
         if rivals:  # another group committed on our base first: one version, one group
@@ -282,20 +302,66 @@ class Round:
             size = len(rivals[0].members)
             return self.keep(mine, f"a group of {size} committed this version first", t0)
         self.replica.publish(record)
-        self.ledger.last_own = (self.replica.version, mine)
         self.guard.committed(
             self.replica, self.certifier.seal, mine.delta, mine.shard_samples, mine.steps
         )
+        if combined is not None:
+            traffic = (combined.bytes_sent, combined.bytes_received)
+            contributions = combined.contributions
+        elif result is not None:
+            traffic = (result.bytes_sent, result.bytes_received)
+            contributions = self.guard.contributions(result)
+        else:
+            traffic = (0, 0)
+            contributions = {self.me: [mine.steps, sum(mine.shard_samples.values())]}
+        report = self.applied(
+            mine, members, record.result_hash, loss, comm_s, traffic, contributions,
+            stalenesses or {self.me[-8:]: staleness},
+        )  # fmt: skip
+        status = RoundStatus.ALONE if result is None else RoundStatus.COMMITTED
+        return RoundOutcome(status, report)
+
+    def replayed(
+        self, mine: Contribution, record: UpdateRecord, loss: float, t0: float
+    ) -> RoundOutcome:
+        """Our δ is in `record`, an update our group's delegate committed (two-stage
+        averaging) and our replica replayed."""
+        members = sorted(unpack_headers(record.info.get("headers")))
+        report = self.applied(
+            mine, members, record.result_hash, loss, time.time() - t0, (0, 0),
+            {self.me: [mine.steps, sum(mine.shard_samples.values())]},
+            {self.me[-8:]: record.base_version - mine.base_version},
+            version=record.base_version + 1,
+        )  # fmt: skip
+        return RoundOutcome(RoundStatus.COMMITTED, report)
+
+    def applied(
+        self,
+        mine: Contribution,
+        members: list[str],
+        result_hash: str,
+        loss: float,
+        comm_s: float,
+        traffic: tuple[int, int],
+        contributions: dict[str, list[int]],
+        stalenesses: dict[str, int],
+        version: int | None = None,
+    ) -> RoundReport:
+        """The bookkeeping of an update holding `mine` that the replica has applied (committed
+        by us, or by our group's delegate and replayed): ledger, heads, counters, event.
+        `version`: the one it produced, when the replica has moved past it since."""
+        version = self.replica.version if version is None else version
+        staleness = version - 1 - mine.base_version
+        self.ledger.last_own = (version, mine)
         self.activity.idle()
         self.co_planners = [p for p in members if p != self.me]
         self.heads.publish()
         every = self.swarm.eval_every
-        ppl = self.training.eval_ppl() if every and self.replica.version % every == 0 else None
+        ppl = self.training.eval_ppl() if every and version % every == 0 else None
         report = RoundReport(
-            version=self.replica.version, state_hash=record.result_hash,
+            version=version, state_hash=result_hash,
             group_size=len(members), loss=loss, ppl=ppl, comm_s=comm_s,
-            bytes_sent=result.bytes_sent if result else 0,
-            bytes_received=result.bytes_received if result else 0,
+            bytes_sent=traffic[0], bytes_received=traffic[1],
             steps=mine.steps, staleness=staleness, members=members,
         )  # fmt: skip
         self.counters.add_round(report)
@@ -305,15 +371,12 @@ class Round:
             group_size=report.group_size, loss=report.loss, ppl=report.ppl, comm_s=report.comm_s,
             bytes_sent=report.bytes_sent, bytes_received=report.bytes_received, members=members,
             shards={str(k): v for k, v in mine.shard_samples.items()}, steps=mine.steps,
-            staleness=staleness, group_staleness=stalenesses or {self.me[-8:]: staleness},
-            contributions=(self.guard.contributions(result) if result is not None
-                           else {self.me: [mine.steps, sum(mine.shard_samples.values())]}),
+            staleness=staleness, group_staleness=stalenesses, contributions=contributions,
             compute_s=self.counters.compute_s, wait_s=self.counters.wait_s,
             utilization=self.counters.utilization, dropped=self.counters.dropped,
             speed=self.training.trainer.speed.steps_per_s,
         )  # fmt: skip
-        status = RoundStatus.ALONE if result is None else RoundStatus.COMMITTED
-        return RoundOutcome(status, report)
+        return report
 
     def keep(self, mine: Contribution, why: str, t0: float) -> RoundOutcome:
         """The δ waits for the next group (stale but not lost), with anything pending since it

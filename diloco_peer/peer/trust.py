@@ -102,6 +102,7 @@ class Guard:
         base_version: int,
         steps: int,
         shard_samples: dict[int, int],
+        expected: int = 0,
     ) -> Offer:
         self._version = version
         shapes = shapes_digest(t.shape for t in delta)
@@ -124,6 +125,7 @@ class Guard:
             samples=sum(shard_samples.values()), shards=dict(shard_samples), numel=numel,
             shapes=shapes, norm=norm, digest=digest, nonce=new_nonce(),
             bans=self.bans.for_header(version), silent=self.silence.for_header(time.time()),
+            expected=expected,
         )  # fmt: skip
         header = self.behaviour.header(header, delta)
         gather = header.sign(self.behaviour.signer(self.identity))

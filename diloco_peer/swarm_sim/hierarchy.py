@@ -1,6 +1,7 @@
 """Two-stage averaging in the protocol simulator: several groups per version, one update.
 
-The rule simulated (issue 19's proposal, to be written into DESIGN §3 once the swarm runs it):
+The rule simulated (the swarm's: averaging/hierarchy.py and peer/stage_two.py; the simulator
+keeps the swarm-level timing, not the certificates):
 
 1. Stage one is today's round: peers at base (v, h) form groups of at most `group_size` and
    all-reduce their δ. When the group's leader expected one group at this base (every peer it
@@ -15,6 +16,11 @@ The rule simulated (issue 19's proposal, to be written into DESIGN §3 once the 
    that version: they keep it for the next round, as a failed group's members do today. A
    combine all-reduce that fails (a delegate died) is tried once more by the delegates left. A
    second combine group on the same base gives up to the first (the seal rule) or forks.
+
+Where the swarm differs: a group goes to the combine when any member's signed header expects
+more peers than a group holds (here: its leader's view), and a combine closes when its target
+of groups is in or its window ends (here also earlier, when no stage-one search at its base is
+still on and no live peer trains at it).
 """
 
 from __future__ import annotations

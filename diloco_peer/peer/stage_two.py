@@ -1,0 +1,228 @@
+"""A round's second stage (averaging/hierarchy.py): after its group all-reduced, a member whose
+group must combine with the others at its version either takes the group's average to the
+combine (the group's delegate) or waits for the combined update and replays it.
+
+    outcome = stage_two.run(rnd, mine, key, offer, result, window_s, loss, t0)   # Round calls
+
+The delegate reads its members' stage-one seals, joins the combine group under
+`combine_key(key)` with them as its material, and commits what the combine gives: the
+combination of every admitted group, or, when no other group came in time, its own group's
+average alone. The other members seal their stage-one statement and wait (bounded) for the head
+to move past their version; they replay the update as any peer catching up does, and their δ
+is applied if their group is in it, else kept for the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from diloco_peer.averaging.certificate import GroupPart, delegate, unpack_headers
+from diloco_peer.averaging.contribution import ContributionRejected, delta_digest
+from diloco_peer.averaging.contribution import Round as RoundRules
+from diloco_peer.averaging.group_averager import GroupResult
+from diloco_peer.averaging.hierarchy import (
+    GroupMaterial,
+    check_material,
+    combine_key,
+    combine_target,
+    pack_material,
+    screen_combine,
+    stage_one_statement,
+)
+from diloco_peer.averaging.matchmaking import Group
+from diloco_peer.averaging.round_plan import Admission
+from diloco_peer.coordinator_free.update_log import UpdateRecord
+from diloco_peer.errors import AllReduceFailed, LeftOut, NoGroup
+
+if TYPE_CHECKING:
+    from diloco_peer.peer.delta import Contribution
+    from diloco_peer.peer.round import Round, RoundOutcome
+    from diloco_peer.peer.trust import Offer
+
+log = logging.getLogger(__name__)
+
+SEALS_WAIT_S = 5.0
+"""How long a delegate reads the DHT for its members' stage-one seals (they store them the
+moment their group's all-reduce ends)."""
+_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Combined:
+    """The update a delegate commits: several groups' averages combined (or its own alone)."""
+
+    average: list[Tensor]
+    headers: dict[str, bytes]
+    """Every member's signed header (the certificate's)."""
+    shard_samples: dict[int, int]
+    groups: list[GroupPart]
+    contributions: dict[str, list[int]]
+    bytes_sent: int
+    bytes_received: int
+
+
+class StageTwo:
+    """The second stage of one peer's rounds (see the module docstring)."""
+
+    def run(
+        self,
+        rnd: Round,
+        mine: Contribution,
+        key: str,
+        offer: Offer,
+        result: GroupResult,
+        window_s: float,
+        loss: float,
+        t0: float,
+    ) -> RoundOutcome:
+        version, base = rnd.replica.version, rnd.replica.published_hash
+        members = tuple(sorted(result.contributors))
+        digest = delta_digest(result.average)[1]
+        if delegate(members, base) != rnd.me:
+            first = stage_one_statement(rnd.guard.run_name, version, base, members, digest)
+            rnd.certifier.seal_statement(first)
+            # the delegate's wait for our seals, its combine (twice at most), and its commit
+            deadline = time.time() + SEALS_WAIT_S + 3 * (window_s + rnd.swarm.allreduce_timeout_s)
+            return self._await(rnd, mine, version, loss, t0, deadline)
+        own = self._own_material(rnd, offer.round, members, digest)
+        if own is None:
+            return rnd.keep(mine, "a member's stage-one seal never came: no combine", t0)
+        material, raw = own
+        for attempt in range(2):  # a combine that failed (a delegate died) is tried once more
+            try:
+                combined = self._combine(rnd, key, offer.round, result, raw, window_s)
+                break
+            except LeftOut as e:  # a combine under this key goes on without us
+                return rnd.keep(mine, f"left out of the combine: {e.refusal.name}", t0)
+            except NoGroup:  # no other group came in time: ours alone, its average bit for bit
+                combined = ([material], result.average, (0, 0))
+                break
+            except AllReduceFailed as e:
+                if attempt:
+                    return rnd.keep(mine, f"the combine failed twice: {e}", t0)
+                log.warning("[%s v%d] the combine failed, trying once more: %s", rnd.me[-6:],
+                            version, e)  # fmt: skip
+        groups, average, traffic = combined
+        update = _update(groups, average, result, traffic)
+        union = sorted(update.headers)
+        log.info("[%s v%d] %d groups combined: %d members", rnd.me[-6:], version, len(groups),
+                 len(union))  # fmt: skip
+        return rnd.commit(mine, union, result, loss, t0, combined=update)
+
+    def _own_material(
+        self, rnd: Round, rules: RoundRules, members: tuple[str, ...], digest: str
+    ) -> tuple[GroupMaterial, bytes] | None:
+        """Our group's material for the combine, once every other member's stage-one seal is
+        in the DHT (bounded wait); None if one never comes."""
+        headers = rnd.guard.signed_headers(list(members))
+        deadline = time.monotonic() + SEALS_WAIT_S
+        while True:
+            found = rnd.certifier.read(rules.version)
+            seals = {m: found[m] for m in members if m != rnd.me and m in found}
+            raw = pack_material(headers, seals, digest)
+            try:
+                return check_material(rnd.me, raw, rules, rnd.guard.allow), raw
+            except ContributionRejected as e:  # a seal not (yet) in the DHT
+                if time.monotonic() >= deadline:
+                    log.warning("[%s] our group's material: %s", rnd.me[-6:], e)
+                    return None
+            time.sleep(_POLL_S)
+
+    def _combine(
+        self,
+        rnd: Round,
+        key: str,
+        rules: RoundRules,
+        result: GroupResult,
+        raw: bytes,
+        window_s: float,
+    ) -> tuple[list[GroupMaterial], list[Tensor], tuple[int, int]]:
+        """The combine all-reduce of the delegates at our base: the admitted groups, the
+        average of their averages (each weighted by its group's weight), our traffic."""
+        screened: dict[str, GroupMaterial] = {}
+
+        def admission(group: Group) -> Admission:
+            gathered = dict(zip(group.members, group.gathered, strict=True))
+            screening = screen_combine(gathered, rules, rnd.guard.allow)
+            screened.clear()
+            screened.update(screening.accepted)
+            accepted = screening.accepted
+            return Admission(
+                {d: m.bound for d, m in accepted.items()}, dict(screening.excluded),
+                weights={d: m.weight for d, m in accepted.items()},
+                keys={d: m.headers[d].public_key for d, m in accepted.items()},
+            )  # fmt: skip
+
+        headers = {m: h for m, h in rnd.guard.admitted.items() if m in result.contributors}
+        combined = rnd.averager().average(
+            combine_key(key), result.average, weight=1.0, gather=raw,
+            target_size=combine_target(headers, rnd.swarm.group_size),
+            matchmaking_timeout_s=window_s, allreduce_timeout_s=rnd.swarm.allreduce_timeout_s,
+            admit=admission,
+        )  # fmt: skip
+        groups = [screened[d] for d in combined.contributors]
+        return groups, combined.average, (combined.bytes_sent, combined.bytes_received)
+
+    def _await(
+        self,
+        rnd: Round,
+        mine: Contribution,
+        version: int,
+        loss: float,
+        t0: float,
+        deadline: float,
+    ) -> RoundOutcome:
+        """A member that is not its group's delegate: wait for the update on `version` and
+        replay it; our δ is applied if our group is in it, else kept."""
+        waited = time.time()
+        while time.time() < deadline:
+            if rnd.catch_up() and rnd.replica.version > version:
+                break
+            time.sleep(_POLL_S)
+        rnd.counters.wait_s += time.time() - waited
+        record = _record_at(rnd, version)
+        if record is None:
+            return rnd.keep(mine, "our group's combined update never came", t0)
+        if rnd.me not in unpack_headers(record.info.get("headers")):
+            return rnd.keep(mine, "our group is not in the combined update", t0)
+        return rnd.replayed(mine, record, loss, t0)
+
+
+def _record_at(rnd: Round, version: int) -> UpdateRecord | None:
+    """The update our replica applied on top of `version`, if it holds it."""
+    data = rnd.replica.updates.get(version)
+    if data is None:
+        return None
+    shapes = [tuple(t.shape) for t in rnd.replica.state.theta]
+    try:
+        return UpdateRecord.from_bytes(data, shapes=shapes)
+    except ValueError:
+        return None
+
+
+def _update(
+    groups: list[GroupMaterial],
+    average: list[Tensor],
+    result: GroupResult,
+    traffic: tuple[int, int],
+) -> Combined:
+    headers: dict[str, bytes] = {}
+    shards: dict[int, int] = {}
+    contributions: dict[str, list[int]] = {}
+    for g in groups:
+        headers.update(g.raw_headers)
+        for member, header in g.headers.items():
+            contributions[member] = [header.steps, header.samples]
+            for shard, samples in header.shards.items():
+                shards[shard] = shards.get(shard, 0) + samples
+    return Combined(
+        average=list(average), headers=headers, shard_samples=shards,
+        groups=[g.part for g in groups], contributions=contributions,
+        bytes_sent=result.bytes_sent + traffic[0],
+        bytes_received=result.bytes_received + traffic[1],
+    )  # fmt: skip
