@@ -63,7 +63,7 @@ def real_run(a: argparse.Namespace, group_size: int, folder: Path) -> dict[str, 
 def digest(logs: list[list[dict[str, Any]]], wall: float) -> dict[str, Any]:
     first: dict[int, float] = {}
     hashes: dict[int, set[str]] = {}
-    sizes, speeds, rivals, failed, catch_ups = [], [], 0, 0, []
+    sizes, speeds, rivals, failed, catch_ups, dropped = [], [], 0, 0, [], 0
     for log in logs:
         for ev in log:
             if ev.get("event") == "round":
@@ -75,6 +75,8 @@ def digest(logs: list[list[dict[str, Any]]], wall: float) -> dict[str, Any]:
                     speeds.append(float(ev["speed"]))
             elif ev.get("event") == "catch_up":
                 catch_ups.append(float(ev.get("seconds") or 0.0))
+            elif ev.get("event") == "dropped":
+                dropped += 1
             elif ev.get("event") == "round_failed":
                 failed += 1
                 rivals += "committed this version first" in str(ev.get("reason"))
@@ -85,7 +87,9 @@ def digest(logs: list[list[dict[str, Any]]], wall: float) -> dict[str, Any]:
         "versions_per_min": (len(versions) - 1) / span * 60 if span > 0 else None,
         "round_s": span / (len(versions) - 1) if span > 0 else None,
         "mean_group_size": statistics.fmean(sizes) if sizes else None,
-        "rival_rounds": rivals, "failed_rounds": failed,
+        "rival_rounds": rivals, "failed_rounds": failed, "dropped": dropped,
+        # δs applied over δs applied or kept (a kept δ goes into a later round, merged)
+        "applied_fraction": len(sizes) / (len(sizes) + failed) if sizes else None,
         "forks": sum(len(h) > 1 for h in hashes.values()),
         "median_speed": statistics.median(speeds) if speeds else None,
         "catch_ups": len(catch_ups),
@@ -111,6 +115,8 @@ def predict(a: argparse.Namespace, group_size: int, real: dict[str, Any], overhe
         latency_s=0.001, round_overhead_s=overhead, hours=real["wall_s"] / 3600,
         outer_buffers=2 if a.protocol == "async" else 1, dht_delay_s=a.dht_delay_s,
         catch_up_s=catch_up_s,
+        # the swarm combines groups in two stages once it is larger than one group
+        hierarchy="two-stage" if group_size < a.peers else "none",
     )  # fmt: skip
     doc = simulate_swarm(spec)
     rounds = doc["versions"]
@@ -136,18 +142,24 @@ def render(doc: dict[str, Any]) -> str:
         f"DHT delay {doc['dht_delay_s']} s, phase jitter 0.05. Versions per minute between the "
         "first and the last version's commit, in both.",
         "",
-        "| group size | real versions/min | simulated | ratio | real mean group | simulated "
+        "| group size | real versions/min | × first row | simulated | ratio | real mean group "
+        "| simulated | δs applied: real | simulated "
         "| rounds given up to a rival group: real | simulated | real forks | simulated forks |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    base = doc["rows"][0]["real"]["versions_per_min"]
     for row in doc["rows"]:
         r, s = row["real"], row["sim"]
         ratio = s["versions_per_min"] / r["versions_per_min"] if r["versions_per_min"] else None
+        own = r["versions_per_min"] / base if base and r["versions_per_min"] else None
+        applied = r.get("applied_fraction")
         lines.append(
             f"| {row['group_size']}{' (calibration)' if row['calibration'] else ''} "
-            f"| {r['versions_per_min']:.2f} | {s['versions_per_min']:.2f} "
+            f"| {r['versions_per_min']:.2f} | {'—' if own is None else f'{own:.2f}'} "
+            f"| {s['versions_per_min']:.2f} "
             f"| {'—' if ratio is None else f'{ratio:.2f}'} | {r['mean_group_size']:.2f} "
-            f"| {s['mean_group_size']:.2f} | {r['rival_rounds']} | {s['rival_rounds']} "
+            f"| {s['mean_group_size']:.2f} | {'—' if applied is None else f'{applied:.3f}'} "
+            f"| {s['applied_fraction']:.3f} | {r['rival_rounds']} | {s['rival_rounds']} "
             f"| {r['forks']} | {s['forks']} |"
         )
     return "\n".join(lines) + "\n"

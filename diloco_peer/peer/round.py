@@ -322,13 +322,18 @@ class Round:
         return RoundOutcome(status, report)
 
     def replayed(
-        self, mine: Contribution, record: UpdateRecord, loss: float, t0: float
+        self,
+        mine: Contribution,
+        record: UpdateRecord,
+        traffic: tuple[int, int],
+        loss: float,
+        t0: float,
     ) -> RoundOutcome:
         """Our δ is in `record`, an update our group's delegate committed (two-stage
-        averaging) and our replica replayed."""
+        averaging) and our replica replayed; `traffic`: our group's all-reduce's."""
         members = sorted(unpack_headers(record.info.get("headers")))
         report = self.applied(
-            mine, members, record.result_hash, loss, time.time() - t0, (0, 0),
+            mine, members, record.result_hash, loss, time.time() - t0, traffic,
             {self.me: [mine.steps, sum(mine.shard_samples.values())]},
             {self.me[-8:]: record.base_version - mine.base_version},
             version=record.base_version + 1,

@@ -88,7 +88,8 @@ class StageTwo:
             rnd.certifier.seal_statement(first)
             # the delegate's wait for our seals, its combine (twice at most), and its commit
             deadline = time.time() + SEALS_WAIT_S + 3 * (window_s + rnd.swarm.allreduce_timeout_s)
-            return self._await(rnd, mine, version, loss, t0, deadline)
+            traffic = (result.bytes_sent, result.bytes_received)
+            return self._await(rnd, mine, version, traffic, loss, t0, deadline)
         own = self._own_material(rnd, offer.round, members, digest)
         if own is None:
             return rnd.keep(mine, "a member's stage-one seal never came: no combine", t0)
@@ -173,6 +174,7 @@ class StageTwo:
         rnd: Round,
         mine: Contribution,
         version: int,
+        traffic: tuple[int, int],
         loss: float,
         t0: float,
         deadline: float,
@@ -190,7 +192,7 @@ class StageTwo:
             return rnd.keep(mine, "our group's combined update never came", t0)
         if rnd.me not in unpack_headers(record.info.get("headers")):
             return rnd.keep(mine, "our group is not in the combined update", t0)
-        return rnd.replayed(mine, record, loss, t0)
+        return rnd.replayed(mine, record, traffic, loss, t0)
 
 
 def _record_at(rnd: Round, version: int) -> UpdateRecord | None:

@@ -165,9 +165,11 @@ class Combiner:
                     continue
                 if m is g.delegate:
                     sim.apply(m, state, len(members))
-                else:  # the others replay the update from a delegate
+                else:  # the others see the delegate's head, then replay the update from it
                     sim.tally.received(m, sim.spec.model_bytes, "replay")
-                    took = 2 * sim.spec.latency_s + sim.spec.model_bytes / m.bytes_per_s
+                    spec = sim.spec
+                    took = (spec.dht_delay_s + spec.catch_up_s + 2 * spec.latency_s
+                            + spec.model_bytes / m.bytes_per_s)  # fmt: skip
                     sim.at(sim.now + took, sim.live(sim.apply), m, state, len(members))
 
     def give_up(self, g: GroupAverage, why: str) -> None:
