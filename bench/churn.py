@@ -173,6 +173,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--versions", type=int, default=34)
     p.add_argument("--inner-steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--group-size", type=int, default=0,
+                   help="the swarm's group_size (0: the default); below --peers, versions are "
+                   "averaged in two stages")  # fmt: skip
     p.add_argument("--mbit", type=float, default=100.0, help="every host's link, both ways")
     p.add_argument("--partition-s", type=float, default=30.0, help="0: no partition")
     p.add_argument("--partition-at", type=int, default=0, help="version (0: a third of the way)")
@@ -188,6 +191,8 @@ def write_config(args: argparse.Namespace, folder: Path) -> tuple[Path, Any]:
     run, swarm = default_run("nano", "sync")
     run = dataclasses.replace(run, inner_steps=args.inner_steps)
     swarm = dataclasses.replace(swarm, expected_peers=args.peers, checkpoint_every=1)
+    if args.group_size:
+        swarm = dataclasses.replace(swarm, group_size=args.group_size)
     path = folder / "run.toml"
     path.write_text(dump_run_config(run, swarm), encoding="utf-8")
     return path, swarm
@@ -374,6 +379,13 @@ def report(churn: Churn, finished: bool, settings: Any, wall_s: float, left: lis
         if stop is not None:
             last[inc.peer] = (stop["version"], stop["state_hash"])
     forks = forks_of(logs)
+    events = [e for log in logs for e in read_log(log)]
+    members: dict[int, int] = {}  # version -> the δs it holds (its largest round event's group)
+    for e in events:
+        if e["event"] == "round":
+            members[e["version"]] = max(members.get(e["version"], 0), e["group_size"])
+    applied = sum(e["event"] == "round" for e in events)
+    kept = sum(e["event"] == "round_failed" for e in events)
     orphans = sum(len(c.get("orphans_after_5s") or []) for c in churn.crashes)
     heal = churn.partition
     if heal.get("healed"):
@@ -394,6 +406,10 @@ def report(churn: Churn, finished: bool, settings: Any, wall_s: float, left: lis
         "hangs": churn.hangs,
         "longest_gap_s": round(longest, 1), "gap_bound_s": round(bound, 1),
         "forks": forks,
+        "group_size": churn.args.group_size or settings.group_size,
+        "members_per_version": {str(v): n for v, n in sorted(members.items())},
+        "rounds_applied": applied, "rounds_kept": kept,
+        "dropped": sum(e["event"] == "dropped" for e in events),
         "final": {str(p): v for p, v in sorted(last.items())},
         "final_hashes_agree": len({h for _, h in last.values()}) == 1 and len(last) > 0,
         "partition": heal,
