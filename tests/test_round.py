@@ -245,6 +245,29 @@ def test_a_sync_group_commits_the_average_and_marks_who_it_formed_without() -> N
     assert torch.equal(replica.state.theta[0], torch.full((4,), -0.25))  # sgd, lr 1: -average
     assert part.co_planners == [OTHER]
     assert set(part.heads.book.absent) == {"Thirdpeer"}
+    event = events.emitted[-1][1]  # the stages' seconds, for the simulator's calibration
+    assert event["matchmaking_s"] == 0.1 and event["allreduce_s"] == 0.1
+    assert event["settle_s"] >= 0 and "combine_s" not in event
+
+
+def test_a_two_stage_sync_round_marks_absent_only_who_no_group_of_the_update_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Our group is one of several: the others' members are not in our group's result, but the
+    combined update names them; a peer no group named is absent."""
+    others: dict[str, dict[str, Any]] = {OTHER: {}, "Thirdpeer": {}, "Fourthpeer": {}}
+    part, _, _, _ = make_round(FakeAverager(result([ME.peer_id_str, OTHER])), others)
+    monkeypatch.setattr("diloco_peer.peer.round.two_stage", lambda headers, size: True)
+    union = sorted([ME.peer_id_str, OTHER, "Thirdpeer"])
+
+    def stage_two(rnd: Round, *args: Any) -> Any:
+        report = SimpleNamespace(members=union)
+        return SimpleNamespace(status=RoundStatus.COMMITTED, report=report)
+
+    part.stage_two = SimpleNamespace(run=stage_two)  # type: ignore[assignment]
+    outcome = part.run(delta(), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.COMMITTED
+    assert set(part.heads.book.absent) == {"Fourthpeer"}
 
 
 def test_a_group_that_sees_another_group_committed_on_its_base_gives_the_version_up() -> None:

@@ -37,6 +37,38 @@ def test_one_group_rounds_take_a_phase_plus_the_all_reduce_exactly() -> None:
     assert doc["wait_s"]["mean"] == pytest.approx(allreduce_s)
 
 
+def test_an_applied_versions_cost_is_paid_once_per_version_whatever_the_stages() -> None:
+    """`apply_s` (sealing, evaluation) delays each peer's next phase once per version; the
+    per-group cost is paid by each stage. Exact for one group; two stages pay apply_s once."""
+    one = simulate_swarm(SwarmSimSpec(peers=4, group_size=64, apply_s=10.0, **EVEN))
+    allreduce_s = 2 * 20e6 * 3 / 4 / 12.5e6 + 1.0 + 2 * 0.05
+    assert one["versions"] == math.floor(1800 / (50 + allreduce_s + 10.0))
+    spec = dict(peers=16, group_size=4, hierarchy="two-stage", hours=0.5, **EXACT)
+    base = simulate_swarm(SwarmSimSpec(**spec))
+    slower = simulate_swarm(SwarmSimSpec(**spec, apply_s=10.0))
+    # a version every phase + stages + replay (+ 10 s): between one and two apply_s slower
+    per_version = 1800 / base["versions"]
+    assert 1800 / (per_version + 10.0) * 0.9 <= slower["versions"] <= base["versions"]
+    assert slower["applied_fraction"] == 1.0 and slower["forks"] == 0
+
+
+def test_a_two_stage_updates_commit_time_delays_only_its_replays() -> None:
+    """`commit_s`: a delegate's sealing and head before the other members can replay; one
+    group's members all commit themselves and never wait for it."""
+    flat = SwarmSimSpec(peers=4, group_size=64, **EVEN)
+    slow_commit = SwarmSimSpec(**{**flat.to_dict(), "commit_s": 10.0})
+    assert {**simulate_swarm(slow_commit), "config": None} == {
+        **simulate_swarm(flat),
+        "config": None,
+    }
+    spec = dict(peers=16, group_size=4, hierarchy="two-stage", hours=0.5, **EXACT)
+    base = simulate_swarm(SwarmSimSpec(**spec))
+    slower = simulate_swarm(SwarmSimSpec(**spec, commit_s=10.0))
+    assert slower["versions"] < base["versions"]
+    assert slower["wait_s"]["mean"] > base["wait_s"]["mean"] + 5.0
+    assert slower["applied_fraction"] == 1.0 and slower["forks"] == 0
+
+
 def test_same_seed_same_document_and_another_seed_another() -> None:
     spec = SwarmSimSpec(peers=12, group_size=4, churn_per_hour=2.0, hours=0.3, seed=3)
     assert simulate_swarm(spec) == simulate_swarm(spec)
@@ -141,7 +173,8 @@ def test_every_member_names_the_same_delegate() -> None:
     "field, value",
     [("peers", 0), ("protocol", "gossip"), ("hierarchy", "tree"), ("group_size", 1),
      ("hours", math.nan), ("churn_per_hour", -1.0), ("compression", "int4"),
-     ("bandwidth_spread", 0.5), ("grace_share", 2.0), ("peers", True), ("jitter", -0.1)],
+     ("bandwidth_spread", 0.5), ("grace_share", 2.0), ("peers", True), ("jitter", -0.1),
+     ("apply_s", -1.0), ("commit_s", math.inf)],
 )  # fmt: skip
 def test_bad_settings_are_config_errors(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):

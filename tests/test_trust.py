@@ -89,6 +89,16 @@ def test_hostile_headers_are_refused_at_admission(mode: str, reason: str, banned
     assert honest.drain_exclusions() == []
 
 
+def test_a_combines_refused_delegates_are_logged_never_banned() -> None:
+    """A delegate whose group material does not verify (screen_combine) signed nothing that
+    proves it: excluded and logged as such, no ban (peer/stage_two.py)."""
+    honest = Guard(ME, "run1", SwarmSettings())
+    why = "a stage-one seal does not verify"
+    honest.exclude_unproven({OTHER.peer_id_str: why, ME.peer_id_str: "never ourselves"}, 3)
+    assert honest.drain_exclusions() == [(OTHER.peer_id_str, why, False)]
+    assert OTHER.peer_id_str not in honest.bans.active(3)
+
+
 def test_a_leader_listing_a_victim_with_garbage_gets_it_excluded_not_banned() -> None:
     """Issue 16, item 3: a hostile leader lists a peer that never joined, with garbage as its
     header. Every follower keeps it out of the round, and none bans it."""

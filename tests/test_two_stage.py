@@ -69,6 +69,12 @@ def test_six_peers_in_groups_of_three_make_one_version_from_both_groups(
         assert len([v for v in r if v >= 1]) >= 4, sorted(r)
     failed = [e for log in logs for e in read_log(log) if e["event"] == "dropped"]
     assert not failed, failed
+    # a six-member version's events time its stages: a delegate's combine, the others' wait
+    whole = [e for r in per_peer for e in r.values() if e["group_size"] == 6]
+    combined = [e for e in whole if "combine_s" in e]
+    waited = [e for e in whole if "replay_wait_s" in e]
+    assert combined and waited and len(combined) + len(waited) == len(whole), whole
+    assert all(e["combine_s"] > 0 and e["settle_s"] >= 0 for e in combined)
 
 
 @pytest.mark.slow

@@ -72,6 +72,10 @@ class GroupResult:
         """The members whose δ is in the average (in every part of it)."""
         return [m for m in self.members if m not in self.excluded]
 
+    def timings(self) -> dict[str, float]:
+        """This peer's stages of the round in seconds, for its round event."""
+        return {"matchmaking_s": self.matchmaking_s, "allreduce_s": self.allreduce_s}
+
 
 @dataclass(frozen=True)
 class Admission:

@@ -189,25 +189,32 @@ class Round:
                 admit=self.guard.admit(offer.round),
             )  # fmt: skip
         except LeftOut as e:  # a group under this key goes on without us: never apply δ alone
-            self._log_exclusions(loss)
+            self.log_exclusions(loss)
             self.counters.wait_s += time.time() - waited
             return self.keep(mine, f"left out of the group: {e.refusal.name}", t0)
         except NoGroup:
-            self._log_exclusions(loss)
+            self.log_exclusions(loss)
             self.counters.wait_s += time.time() - waited
             return self._no_group(mine, loss, t0)
         except AllReduceFailed as e:
-            self._log_exclusions(loss)
+            self.log_exclusions(loss)
             self.counters.wait_s += time.time() - waited
             self._silent(e.silent)
             return self.keep(mine, f"all-reduce failed: {e}", t0)
         self.counters.wait_s += time.time() - waited
         self.guard.settle(result, self.replica.version)
-        self._log_exclusions(loss)
+        self.log_exclusions(loss)
         headers = {p: self.guard.admitted[p] for p in result.contributors
                    if p in self.guard.admitted}  # fmt: skip
         if two_stage(headers, self.swarm.group_size):  # several groups at this version
-            return self.stage_two.run(self, mine, key, offer, result, plan.timeout_s, loss, t0)
+            outcome = self.stage_two.run(self, mine, key, offer, result, plan.timeout_s, loss, t0)
+            if outcome.report is not None and not self.asynchronous:
+                # the update names every group's members: whoever we waited for and it does not
+                # name was in no group (until it publishes a newer head)
+                self.heads.book.mark_absent(
+                    view.heads, present=outcome.report.members, now=time.time()
+                )
+            return outcome
         if not self.asynchronous:
             self.heads.book.mark_absent(view.heads, present=result.members, now=time.time())
         return self.commit(
@@ -280,9 +287,12 @@ class Round:
     ) -> RoundOutcome:
         """Apply the group's average (ours alone when `result` is None, the combination of
         several groups' with `combined`): v -> v+1, identical on every member."""
-        comm_s = time.time() - t0
+        ready = time.time()
+        comm_s = ready - t0
         staleness = self.replica.version - mine.base_version
+        timings = {} if result is None else result.timings()
         if combined is not None:
+            timings.update(combined.timings)
             record = self.replica.prepare(
                 combined.average, members, combined.shard_samples, combined.headers,
                 groups=combined.groups,
@@ -316,7 +326,7 @@ class Round:
             contributions = {self.me: [mine.steps, sum(mine.shard_samples.values())]}
         report = self.applied(
             mine, members, record.result_hash, loss, comm_s, traffic, contributions,
-            stalenesses or {self.me[-8:]: staleness},
+            stalenesses or {self.me[-8:]: staleness}, timings=timings, ready=ready,
         )  # fmt: skip
         status = RoundStatus.ALONE if result is None else RoundStatus.COMMITTED
         return RoundOutcome(status, report)
@@ -328,15 +338,18 @@ class Round:
         traffic: tuple[int, int],
         loss: float,
         t0: float,
+        timings: dict[str, float],
     ) -> RoundOutcome:
         """Our δ is in `record`, an update our group's delegate committed (two-stage
-        averaging) and our replica replayed; `traffic`: our group's all-reduce's."""
+        averaging) and our replica replayed; `traffic`: our group's all-reduce's; `timings`:
+        its stages' seconds (`GroupResult.timings`, and the wait for the update)."""
         members = sorted(unpack_headers(record.info.get("headers")))
+        ready = time.time()
         report = self.applied(
-            mine, members, record.result_hash, loss, time.time() - t0, traffic,
+            mine, members, record.result_hash, loss, ready - t0, traffic,
             {self.me: [mine.steps, sum(mine.shard_samples.values())]},
             {self.me[-8:]: record.base_version - mine.base_version},
-            version=record.base_version + 1,
+            version=record.base_version + 1, timings=timings, ready=ready,
         )  # fmt: skip
         return RoundOutcome(RoundStatus.COMMITTED, report)
 
@@ -351,16 +364,22 @@ class Round:
         contributions: dict[str, list[int]],
         stalenesses: dict[str, int],
         version: int | None = None,
+        timings: dict[str, float] | None = None,
+        ready: float | None = None,
     ) -> RoundReport:
         """The bookkeeping of an update holding `mine` that the replica has applied (committed
         by us, or by our group's delegate and replayed): ledger, heads, counters, event.
-        `version`: the one it produced, when the replica has moved past it since."""
+        `version`: the one it produced, when the replica has moved past it since; `timings`:
+        the round's stages in seconds; `ready`: when the update was in hand (the event's
+        `settle_s` runs from there: sealing, publishing, the held-out evaluation; `commit_s`
+        up to our head showing the update)."""
         version = self.replica.version if version is None else version
         staleness = version - 1 - mine.base_version
         self.ledger.last_own = (version, mine)
         self.activity.idle()
         self.co_planners = [p for p in members if p != self.me]
         self.heads.publish()
+        shown = time.time()  # the others can see the update from here on
         every = self.swarm.eval_every
         ppl = self.training.eval_ppl() if every and version % every == 0 else None
         report = RoundReport(
@@ -380,6 +399,9 @@ class Round:
             compute_s=self.counters.compute_s, wait_s=self.counters.wait_s,
             utilization=self.counters.utilization, dropped=self.counters.dropped,
             speed=self.training.trainer.speed.steps_per_s,
+            settle_s=None if ready is None else round(time.time() - ready, 3),
+            commit_s=None if ready is None else round(shown - ready, 3),
+            **{k: round(v, 3) for k, v in (timings or {}).items()},
         )  # fmt: skip
         return report
 
@@ -410,7 +432,7 @@ class Round:
                     reason, staleness)  # fmt: skip
         return RoundOutcome(RoundStatus.DROPPED)
 
-    def _log_exclusions(self, loss: float) -> None:
+    def log_exclusions(self, loss: float) -> None:
         for peer, reason, banned in self.guard.drain_exclusions():
             self.events.emit(
                 "excluded", version=self.replica.version, state_hash=self.replica.published_hash,

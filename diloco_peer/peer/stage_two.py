@@ -64,6 +64,10 @@ class Combined:
     contributions: dict[str, list[int]]
     bytes_sent: int
     bytes_received: int
+    timings: dict[str, float]
+    """The delegate's stage two in seconds: `seals_s` (reading its members' stage-one seals),
+    `combine_matchmaking_s` and `combine_allreduce_s` (when a combine formed), `combine_s`
+    (all of it)."""
 
 
 class StageTwo:
@@ -89,11 +93,13 @@ class StageTwo:
             # the delegate's wait for our seals, its combine (twice at most), and its commit
             deadline = time.time() + SEALS_WAIT_S + 3 * (window_s + rnd.swarm.allreduce_timeout_s)
             traffic = (result.bytes_sent, result.bytes_received)
-            return self._await(rnd, mine, version, traffic, loss, t0, deadline)
+            return self._await(rnd, mine, version, traffic, loss, t0, deadline, result)
+        began = time.time()
         own = self._own_material(rnd, offer.round, members, digest)
         if own is None:
             return rnd.keep(mine, "a member's stage-one seal never came: no combine", t0)
         material, raw = own
+        seals_s = time.time() - began
         for attempt in range(2):  # a combine that failed (a delegate died) is tried once more
             try:
                 combined = self._combine(rnd, key, offer.round, result, raw, window_s)
@@ -101,15 +107,19 @@ class StageTwo:
             except LeftOut as e:  # a combine under this key goes on without us
                 return rnd.keep(mine, f"left out of the combine: {e.refusal.name}", t0)
             except NoGroup:  # no other group came in time: ours alone, its average bit for bit
-                combined = ([material], result.average, (0, 0))
+                combined = ([material], result.average, (0, 0), {})
                 break
             except AllReduceFailed as e:
                 if attempt:
                     return rnd.keep(mine, f"the combine failed twice: {e}", t0)
                 log.warning("[%s v%d] the combine failed, trying once more: %s", rnd.me[-6:],
                             version, e)  # fmt: skip
-        groups, average, traffic = combined
-        update = _update(groups, average, result, traffic)
+            finally:  # the delegates whose material did not verify (screen_combine)
+                rnd.log_exclusions(loss)
+        groups, average, traffic, stages = combined
+        timings = {"seals_s": seals_s, **{f"combine_{k}": v for k, v in stages.items()},
+                   "combine_s": time.time() - began}  # fmt: skip
+        update = _update(groups, average, result, traffic, timings)
         union = sorted(update.headers)
         log.info("[%s v%d] %d groups combined: %d members", rnd.me[-6:], version, len(groups),
                  len(union))  # fmt: skip
@@ -142,9 +152,10 @@ class StageTwo:
         result: GroupResult,
         raw: bytes,
         window_s: float,
-    ) -> tuple[list[GroupMaterial], list[Tensor], tuple[int, int]]:
+    ) -> tuple[list[GroupMaterial], list[Tensor], tuple[int, int], dict[str, float]]:
         """The combine all-reduce of the delegates at our base: the admitted groups, the
-        average of their averages (each weighted by its group's weight), our traffic."""
+        average of their averages (each weighted by its group's weight), our traffic, its
+        stages' seconds."""
         screened: dict[str, GroupMaterial] = {}
 
         def admission(group: Group) -> Admission:
@@ -152,6 +163,7 @@ class StageTwo:
             screening = screen_combine(gathered, rules, rnd.guard.allow)
             screened.clear()
             screened.update(screening.accepted)
+            rnd.guard.exclude_unproven(screening.excluded, rules.version)
             accepted = screening.accepted
             return Admission(
                 {d: m.bound for d, m in accepted.items()}, dict(screening.excluded),
@@ -167,7 +179,8 @@ class StageTwo:
             admit=admission,
         )  # fmt: skip
         groups = [screened[d] for d in combined.contributors]
-        return groups, combined.average, (combined.bytes_sent, combined.bytes_received)
+        traffic = (combined.bytes_sent, combined.bytes_received)
+        return groups, combined.average, traffic, combined.timings()
 
     def _await(
         self,
@@ -178,6 +191,7 @@ class StageTwo:
         loss: float,
         t0: float,
         deadline: float,
+        result: GroupResult,
     ) -> RoundOutcome:
         """A member that is not its group's delegate: wait for the update on `version` and
         replay it; our δ is applied if our group is in it, else kept."""
@@ -192,7 +206,8 @@ class StageTwo:
             return rnd.keep(mine, "our group's combined update never came", t0)
         if rnd.me not in unpack_headers(record.info.get("headers")):
             return rnd.keep(mine, "our group is not in the combined update", t0)
-        return rnd.replayed(mine, record, traffic, loss, t0)
+        timings = {**result.timings(), "replay_wait_s": time.time() - waited}
+        return rnd.replayed(mine, record, traffic, loss, t0, timings)
 
 
 def _record_at(rnd: Round, version: int) -> UpdateRecord | None:
@@ -212,6 +227,7 @@ def _update(
     average: list[Tensor],
     result: GroupResult,
     traffic: tuple[int, int],
+    timings: dict[str, float],
 ) -> Combined:
     headers: dict[str, bytes] = {}
     shards: dict[int, int] = {}
@@ -226,5 +242,5 @@ def _update(
         average=list(average), headers=headers, shard_samples=shards,
         groups=[g.part for g in groups], contributions=contributions,
         bytes_sent=result.bytes_sent + traffic[0],
-        bytes_received=result.bytes_received + traffic[1],
+        bytes_received=result.bytes_received + traffic[1], timings=timings,
     )  # fmt: skip

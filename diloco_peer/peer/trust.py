@@ -223,6 +223,12 @@ class Guard:
             log.warning("named %s silent for %.0f s: it sent no part", peer[-8:], until - now)
         return held
 
+    def exclude_unproven(self, peers: dict[str, str], version: int) -> None:
+        """Peers kept out of a round for what this peer checked but nobody signed (a combine's
+        material that does not verify): logged and drained as exclusions, never banned."""
+        for peer, reason in peers.items():
+            self._exclude(peer, reason, version, ban=False)
+
     def _exclude(self, peer: str, reason: str, version: int, *, ban: bool) -> None:
         if peer == self.identity.peer_id_str:
             return

@@ -397,18 +397,23 @@ class SwarmSim:
         m.version, m.state, m.last_own = self.history.states[state].version, state, (state, m.mine)
         self.tally.group_sizes.append(size)
         m.mine = None
-        self.end_round(m)
+        self.end_round(m, settle_s=self.spec.apply_s)
 
     def keep(self, p: Peer, why: str) -> None:
         self.tally.kept(why)
         p.pending, p.mine = (p.mine.merge(p.pending) if p.mine else p.pending), None
         self.end_round(p)
 
-    def end_round(self, p: Peer) -> None:
+    def end_round(self, p: Peer, settle_s: float = 0.0) -> None:
+        """The round is over (head published); the next phase starts after `settle_s` (an
+        applied version's sealing, evaluation and checkpoint)."""
         self.tally.wait_s.append(self.now - p.round_start)
         p.in_group, p.mine = False, None
         self.publish(p)
-        self.start_round(p)
+        if settle_s > 0:
+            self.at(self.now + settle_s, self.live(self.start_round), p)
+        else:
+            self.start_round(p)
 
     def live_peers(self) -> list[Peer]:
         return [p for p in self.peers.values() if p.alive]

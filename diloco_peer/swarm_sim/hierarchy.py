@@ -11,7 +11,9 @@ keeps the swarm-level timing, not the certificates):
    which closes when the expected number of groups is in or at the round's window (the sync
    timeout, or the async grace), and all-reduces the group averages weighted by their members.
    The delegates commit v+1 (the certificate: their signatures and each group's), one version
-   whatever the number of groups; the other members replay it (one update each).
+   whatever the number of groups; the other members replay it (one update each) once the
+   delegate's head shows it (`commit_s`). Each stage's all-reduce pays `round_overhead_s`; the
+   per-version work (`apply_s`) is paid once.
 3. A group whose delegate dies, or that misses the combine group, costs only its members' δ for
    that version: they keep it for the next round, as a failed group's members do today. A
    combine all-reduce that fails (a delegate died) is tried once more by the delegates left. A
@@ -168,8 +170,8 @@ class Combiner:
                 else:  # the others see the delegate's head, then replay the update from it
                     sim.tally.received(m, sim.spec.model_bytes, "replay")
                     spec = sim.spec
-                    took = (spec.dht_delay_s + spec.catch_up_s + 2 * spec.latency_s
-                            + spec.model_bytes / m.bytes_per_s)  # fmt: skip
+                    took = (spec.commit_s + spec.dht_delay_s + spec.catch_up_s
+                            + 2 * spec.latency_s + spec.model_bytes / m.bytes_per_s)  # fmt: skip
                     sim.at(sim.now + took, sim.live(sim.apply), m, state, len(members))
 
     def give_up(self, g: GroupAverage, why: str) -> None:

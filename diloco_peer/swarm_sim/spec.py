@@ -55,7 +55,14 @@ class SwarmSimSpec:
     dht_delay_s: float = 1.0
     """How long a DHT record (head, seal) takes to be read by the others."""
     round_overhead_s: float = 1.0
-    """Matchmaking's answer, the commit step and the receipt echo, per group."""
+    """Matchmaking's answer, the commit step and the receipt echo, per group (a combine of
+    several groups' averages pays it too)."""
+    apply_s: float = 0.0
+    """Per peer and applied version, before its next phase: sealing and publishing the update,
+    the held-out evaluation, the checkpoint (paid once per version, whatever the stages)."""
+    commit_s: float = 0.0
+    """From a two-stage update's combine to the delegate's head showing it (sealing, the rival
+    check, the head): the other members replay it only after that."""
     catch_up_s: float = 1.0
     """A catch-up's fixed cost besides its bytes: reading heads, asking donors, verifying the
     certificates and hashes."""
@@ -102,6 +109,7 @@ class SwarmSimSpec:
             ("model_mb", 0, 1e7, True), ("bandwidth_mbit", 0, 1e6, True),
             ("latency_s", 0, 60, False), ("dht_delay_s", 0, 600, False),
             ("round_overhead_s", 0, 600, False), ("catch_up_s", 0, 600, False),
+            ("apply_s", 0, 600, False), ("commit_s", 0, 600, False),
             ("sync_timeout_s", 0, 1e5, True),
             ("allreduce_timeout_s", 0, 1e5, True), ("grace_s", 0, 1e5, False),
         ):  # fmt: skip
