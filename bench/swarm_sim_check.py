@@ -109,7 +109,8 @@ def digest(logs: list[list[dict[str, Any]]], wall: float) -> dict[str, Any]:
             elif ev.get("event") == "round_failed":
                 failed += 1
                 rivals += "committed this version first" in str(ev.get("reason"))
-                reasons[str(ev.get("reason"))[:60]] = reasons.get(str(ev.get("reason"))[:60], 0) + 1
+                why = str(ev.get("reason"))[:60]
+                reasons[why] = reasons.get(why, 0) + 1
     versions = sorted(first)
     span = first[versions[-1]] - first[versions[0]] if len(versions) > 1 else 0.0
     return {
