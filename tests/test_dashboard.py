@@ -10,6 +10,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -222,14 +223,19 @@ def _one_line_exit_2(out: subprocess.CompletedProcess[str], says: str) -> None:
 @pytest.mark.timeout(120)
 def test_bad_input_is_one_line_and_exit_2() -> None:
     nobody = f"/ip4/127.0.0.1/tcp/9/p2p/{Identity.generate().peer_id_str}"
-    _one_line_exit_2(_dashboard("--swarm", nobody, "--run", "t", "--port", "0"),
-                     "cannot reach the swarm")  # fmt: skip
-    _one_line_exit_2(_dashboard("--swarm", "not-an-address", "--run", "t"),
-                     "cannot reach the swarm")  # fmt: skip
-    _one_line_exit_2(_dashboard("--swarm", nobody, "--port", "70000"), "--port")
-    _one_line_exit_2(_dashboard("--swarm", nobody, "--port", "http"), "--port")
-    _one_line_exit_2(_dashboard("--swarm", nobody, "--run", "no spaces"), "run name")
-    _one_line_exit_2(_dashboard("--swarm", nobody, "--refresh-s", "0"), "--refresh-s")
+    cases = [
+        (("--swarm", nobody, "--run", "t", "--port", "0"), "cannot reach the swarm"),
+        (("--swarm", "not-an-address", "--run", "t"), "cannot reach the swarm"),
+        (("--swarm", nobody, "--port", "70000"), "--port"),
+        (("--swarm", nobody, "--port", "http"), "--port"),
+        (("--swarm", nobody, "--run", "no spaces"), "run name"),
+        (("--swarm", nobody, "--refresh-s", "0"), "--refresh-s"),
+    ]
+    # all at once: each case is a process of its own, and most of its time is imports
+    with ThreadPoolExecutor(len(cases)) as pool:
+        outs = list(pool.map(lambda case: _dashboard(*case[0]), cases))
+    for (_, says), out in zip(cases, outs, strict=True):
+        _one_line_exit_2(out, says)
 
 
 def _free_port() -> int:

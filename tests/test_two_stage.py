@@ -53,20 +53,20 @@ def test_six_peers_in_groups_of_three_make_one_version_from_both_groups(
 ) -> None:
     """Before two-stage averaging, 8 peers with group_size 4 forked at each of versions 1 to
     3 and then took turns as two chains (issue 19). Now both groups of each round combine."""
-    peers = start_six(swarm, tmp_path, "sync", until=5)
+    peers = start_six(swarm, tmp_path, "sync", until=4)
     for proc, _ in peers:
         assert proc.wait(timeout=360) == 0  # type: ignore[attr-defined]
     logs = [log for _, log in peers]
     branch = branches(*logs)
     assert branch.one_branch, branch.conflicts
-    assert max(branch.agreed) >= 5
+    assert max(branch.agreed) >= 4
     per_peer = [rounds(log) for log in logs]
     sizes = collections.Counter(e["group_size"] for r in per_peer for e in r.values())
     # a version holds both groups' δs: most round events name all six members
     assert sizes[6] >= 0.6 * sum(sizes.values()), sizes
     # every peer's δ went into (nearly) every version; what was not applied was kept
     for r in per_peer:
-        assert len([v for v in r if v >= 1]) >= 4, sorted(r)
+        assert len([v for v in r if v >= 1]) >= 3, sorted(r)
     failed = [e for log in logs for e in read_log(log) if e["event"] == "dropped"]
     assert not failed, failed
     # a six-member version's events time its stages: a delegate's combine, the others' wait

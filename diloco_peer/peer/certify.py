@@ -68,10 +68,16 @@ class Certifier:
         commit stands, but others cannot replay it from a certificate missing our seal)."""
         self._store(record.base_version, self.seal_bytes(record))
 
-    def seal_statement(self, statement: Statement) -> None:
+    def seal_statement(
+        self, statement: Statement, tell: Callable[[bytes], None] | None = None
+    ) -> None:
         """Sign and store a statement of ours that is no commit of ours (a two-stage member's
-        stage-one statement: its group and the digest of the group's average)."""
-        self._store(statement.base_version, seal(self.identity, statement))
+        stage-one statement: its group and the digest of the group's average); `tell` gets the
+        seal first (a note to the group's delegate, which need not wait for the DHT)."""
+        sealed = seal(self.identity, statement)
+        if tell is not None:
+            tell(sealed)
+        self._store(statement.base_version, sealed)
 
     def read(self, base_version: int) -> dict[str, bytes]:
         """The seals stored on top of `base_version`, by signer (unchecked bytes)."""

@@ -29,6 +29,7 @@ from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import reachability, records
 from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest
+from diloco_peer.coordinator_free.notes import NoteBox
 from diloco_peer.coordinator_free.reachability import DialBackServer
 from diloco_peer.coordinator_free.state_transfer import StateBlob, StateServer
 from diloco_peer.errors import BadInput, ManifestError, P2PServiceStopped
@@ -249,6 +250,8 @@ class Network:
     averager: GroupAverager
     server: StateServer
     dialback: DialBackServer | None
+    notes: NoteBox | None
+    """Round notes from other peers (none in client mode: nobody can open a stream to us)."""
 
     @property
     def dht(self) -> DHT:
@@ -278,6 +281,7 @@ class Network:
         blob: Callable[[], StateBlob | None],
         updates: Callable[[int], bytes | None],
         allow: Callable[[str], bool],
+        version: Callable[[], int],
     ) -> Network:
         """Start the averager and the servers on `node` and wait until they serve."""
         averager = GroupAverager(
@@ -293,17 +297,18 @@ class Network:
         server = StateServer(node.service, prefix, blob, updates=updates, allow=allow)
         # joiners ask a peer that accepts connections whether they can be dialed
         dialback = None if node.client_mode else DialBackServer(node.service, prefix)
-        parts = [p for p in (averager, server, dialback) if p is not None]
+        notes = None if node.client_mode else NoteBox(node.service, prefix, allow, version)
+        parts = [p for p in (averager, server, dialback, notes) if p is not None]
         for part in parts:
             part.start()
         for part in parts:
             part.wait_until_ready(timeout_s=READY_TIMEOUT_S)
         guard.behaviour.serve(node.service, prefix)  # a hostile peer's flood (chaos.py)
-        return cls(node, prefix, averager, server, dialback)
+        return cls(node, prefix, averager, server, dialback, notes)
 
     def shutdown(self) -> None:
         """Servers first (best effort: we are leaving anyway), then the service and the DHT."""
-        for part in (self.dialback, self.server, self.averager):
+        for part in (self.notes, self.dialback, self.server, self.averager):
             if part is not None:
                 try:
                     part.shutdown()

@@ -37,7 +37,7 @@ from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.heads import Activity, HeadChannel
 from diloco_peer.peer.phase import Training
 from diloco_peer.peer.replica import Replica
-from diloco_peer.peer.stage_two import Combined, StageTwo
+from diloco_peer.peer.stage_two import Combined, Postbox, StageTwo
 from diloco_peer.peer.telemetry import Counters, RoundReport, TensorBoard
 from diloco_peer.peer.trust import Guard, Offer
 
@@ -113,7 +113,9 @@ class Sealer(Protocol):
 
     def void(self, record: UpdateRecord) -> None: ...
 
-    def seal_statement(self, statement: Statement) -> None: ...
+    def seal_statement(
+        self, statement: Statement, tell: Callable[[bytes], None] | None = None
+    ) -> None: ...
 
     def read(self, base_version: int) -> dict[str, bytes]: ...
 
@@ -136,16 +138,19 @@ class Round:
         ledger: Ledger,
         events: EventLog,
         tensorboard: TensorBoard,
-        catch_up: Callable[[], bool],
+        catch_up: Callable[..., bool],
         certifier: Sealer,
+        notes: Callable[[], Postbox | None] = lambda: None,
     ) -> None:
         self.me, self.swarm, self.replica, self.training = me, swarm, replica, training
         self.guard, self.averager, self.heads = guard, averager, heads
         self.activity, self.counters, self.ledger = activity, counters, ledger
         self.events, self.tensorboard, self.catch_up = events, tensorboard, catch_up
-        self.certifier = certifier
+        self.certifier, self.notes = certifier, notes
+        """`certifier` seals what we commit and tells whether another group committed the same
+        version; `notes`: round notes from other peers (coordinator_free/notes.py), None where
+        nobody can open a stream to us; `catch_up(hint=None, publish=True)`: SwarmPeer's."""
         self.stage_two = StageTwo()
-        """Seals what we commit; tells whether another group committed the same version."""
         self.co_planners: list[str] = []
         """The other members of the group committed last: they plan their next phase with us."""
         self._waited_again = False
@@ -312,6 +317,8 @@ class Round:
             size = len(rivals[0].members)
             return self.keep(mine, f"a group of {size} committed this version first", t0)
         self.replica.publish(record)
+        if combined is not None and result is not None:  # our group's members wait for it
+            self.stage_two.tell_members(self, result, record)
         self.guard.committed(
             self.replica, self.certifier.seal, mine.delta, mine.shard_samples, mine.steps
         )

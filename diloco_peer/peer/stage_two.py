@@ -10,14 +10,21 @@ combination of every admitted group, or, when no other group came in time, its o
 average alone. The other members seal their stage-one statement and wait (bounded) for the head
 to move past their version; they replay the update as any peer catching up does, and their δ
 is applied if their group is in it, else kept for the next round.
+
+Round notes (coordinator_free/notes.py) carry both waits' news directly: each member hands its
+stage-one seal to the delegate as it stores it in the DHT, and the delegate tells its members
+the moment the update is committed (its result hash), so that they replay it from the delegate
+without waiting for the DHT to show its head. Either note may be lost or false: the delegate
+still reads the DHT for seals, the members still watch the heads, only less often.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
@@ -36,6 +43,8 @@ from diloco_peer.averaging.hierarchy import (
 )
 from diloco_peer.averaging.matchmaking import Group
 from diloco_peer.averaging.round_plan import Admission
+from diloco_peer.coordinator_free.notes import Note
+from diloco_peer.coordinator_free.swarm_view import HeadChoice
 from diloco_peer.coordinator_free.update_log import UpdateRecord
 from diloco_peer.errors import AllReduceFailed, LeftOut, NoGroup
 
@@ -50,6 +59,20 @@ SEALS_WAIT_S = 5.0
 """How long a delegate reads the DHT for its members' stage-one seals (they store them the
 moment their group's all-reduce ends)."""
 _POLL_S = 0.5
+_NOTED_POLL_S = 1.0
+"""How often a member that can get notes still watches the heads for the update."""
+
+
+class Postbox(Protocol):
+    """Round notes (coordinator_free/notes.py `NoteBox`)."""
+
+    def post(self, peer: str, kind: Note, version: int, body: bytes = b"") -> None: ...
+
+    def received(self, kind: Note, version: int) -> dict[str, bytes]: ...
+
+    def wait(
+        self, kind: Note, version: int, senders: Collection[str], timeout_s: float
+    ) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -87,13 +110,17 @@ class StageTwo:
         version, base = rnd.replica.version, rnd.replica.published_hash
         members = tuple(sorted(result.contributors))
         digest = delta_digest(result.average)[1]
-        if delegate(members, base) != rnd.me:
+        leader = delegate(members, base)
+        if leader != rnd.me:
             first = stage_one_statement(rnd.guard.run_name, version, base, members, digest)
-            rnd.certifier.seal_statement(first)
+            box = rnd.notes()
+            rnd.certifier.seal_statement(
+                first, None if box is None else lambda s: box.post(leader, Note.SEAL, version, s)
+            )
             # the delegate's wait for our seals, its combine (twice at most), and its commit
             deadline = time.time() + SEALS_WAIT_S + 3 * (window_s + rnd.swarm.allreduce_timeout_s)
             traffic = (result.bytes_sent, result.bytes_received)
-            return self._await(rnd, mine, version, traffic, loss, t0, deadline, result)
+            return self._await(rnd, mine, leader, traffic, loss, t0, deadline, result)
         began = time.time()
         own = self._own_material(rnd, offer.round, members, digest)
         if own is None:
@@ -131,18 +158,28 @@ class StageTwo:
         """Our group's material for the combine, once every other member's stage-one seal is
         in the DHT (bounded wait); None if one never comes."""
         headers = rnd.guard.signed_headers(list(members))
+        others = [m for m in members if m != rnd.me]
+        box = rnd.notes()
         deadline = time.monotonic() + SEALS_WAIT_S
+        tries = 0
         while True:
-            found = rnd.certifier.read(rules.version)
-            seals = {m: found[m] for m in members if m != rnd.me and m in found}
+            noted = {} if box is None else box.received(Note.SEAL, rules.version)
+            found = dict(noted)
+            if tries or box is None:  # the DHT's seals over the notes' (a note may be false)
+                found.update(rnd.certifier.read(rules.version))
+            seals = {m: found[m] for m in others if m in found}
             raw = pack_material(headers, seals, digest)
             try:
                 return check_material(rnd.me, raw, rules, rnd.guard.allow), raw
-            except ContributionRejected as e:  # a seal not (yet) in the DHT
+            except ContributionRejected as e:  # a seal not (yet) here
                 if time.monotonic() >= deadline:
                     log.warning("[%s] our group's material: %s", rnd.me[-6:], e)
                     return None
-            time.sleep(_POLL_S)
+            tries += 1
+            if box is None or set(others) <= set(noted):  # no notes, or they did not do
+                time.sleep(_POLL_S)
+            else:
+                box.wait(Note.SEAL, rules.version, others, _POLL_S)
 
     def _combine(
         self,
@@ -182,32 +219,65 @@ class StageTwo:
         traffic = (combined.bytes_sent, combined.bytes_received)
         return groups, combined.average, traffic, combined.timings()
 
+    def tell_members(self, rnd: Round, result: GroupResult, record: UpdateRecord) -> None:
+        """We committed a combined update: tell our group's other members (they replay it
+        from us, `_await`)."""
+        box = rnd.notes()
+        if box is None:
+            return
+        for member in result.contributors:
+            if member != rnd.me:
+                box.post(member, Note.UPDATE, record.base_version, record.result_hash.encode())
+
     def _await(
         self,
         rnd: Round,
         mine: Contribution,
-        version: int,
+        leader: str,
         traffic: tuple[int, int],
         loss: float,
         t0: float,
         deadline: float,
         result: GroupResult,
     ) -> RoundOutcome:
-        """A member that is not its group's delegate: wait for the update on `version` and
-        replay it; our δ is applied if our group is in it, else kept."""
-        waited = time.time()
+        """A member that is not its group's delegate (`leader`): wait for the update on our
+        version and replay it; our δ is applied if our group is in it, else kept."""
+        version, box = rnd.replica.version, rnd.notes()
+        waited, hinted, moved = time.time(), False, False
         while time.time() < deadline:
-            if rnd.catch_up() and rnd.replica.version > version:
+            hint = None if hinted else _hint(box, leader, version)
+            hinted = hinted or hint is not None
+            moved = rnd.catch_up(hint, publish=False) or moved
+            if rnd.replica.version > version:
                 break
-            time.sleep(_POLL_S)
+            if box is None or hinted:
+                time.sleep(_POLL_S)
+            else:
+                box.wait(Note.UPDATE, version, [leader], _NOTED_POLL_S)
         rnd.counters.wait_s += time.time() - waited
         record = _record_at(rnd, version)
-        if record is None:
-            return rnd.keep(mine, "our group's combined update never came", t0)
-        if rnd.me not in unpack_headers(record.info.get("headers")):
+        if record is None or rnd.me not in unpack_headers(record.info.get("headers")):
+            if moved:  # the head we moved to (a replay publishes it as part of the round)
+                rnd.heads.publish()
+            if record is None:
+                return rnd.keep(mine, "our group's combined update never came", t0)
             return rnd.keep(mine, "our group is not in the combined update", t0)
         timings = {**result.timings(), "replay_wait_s": time.time() - waited}
         return rnd.replayed(mine, record, traffic, loss, t0, timings)
+
+
+def _hint(box: Postbox | None, leader: str, version: int) -> HeadChoice | None:
+    """Where the delegate's note says the update on `version` is: replayed from the delegate
+    only (a hint is one key's word), checked against the hash it names."""
+    noted = None if box is None else box.received(Note.UPDATE, version).get(leader)
+    if noted is None or len(noted) != 64:
+        return None
+    try:
+        state_hash = noted.decode("ascii")
+        int(state_hash, 16)
+    except ValueError:
+        return None
+    return HeadChoice(version + 1, state_hash, (leader,), lost_fork=False, endorsed=False)
 
 
 def _record_at(rnd: Round, version: int) -> UpdateRecord | None:

@@ -39,7 +39,7 @@ from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.reachability import Verdict
 from diloco_peer.coordinator_free.rejoin import Rejoiner
-from diloco_peer.coordinator_free.swarm_view import run_ended
+from diloco_peer.coordinator_free.swarm_view import HeadChoice, run_ended
 from diloco_peer.coordinator_free.update_log import UpdateLog
 from diloco_peer.identity import Identity
 from diloco_peer.lifeline import Lifeline
@@ -167,7 +167,7 @@ class SwarmPeer:
         self.net = Network.serve(
             self.node, prefix, run=self.run, swarm=self.swarm, guard=self.guard,
             faults=self.faults, blob=lambda: self.replica.blob, updates=self.replica.updates.get,
-            allow=self._allowed,
+            allow=self._allowed, version=lambda: self.replica.version,
         )  # fmt: skip
         self.catching_up = CatchUp(self.replica, self.net.downloads(self.replica), me=self.peer_id,
                                    keep_updates=self.swarm.keep_updates,
@@ -224,7 +224,7 @@ class SwarmPeer:
             guard=self.guard, averager=lambda: self._network().averager, heads=self.heads,
             activity=self.activity, counters=self.counters, ledger=self.ledger,
             events=self.events, tensorboard=self.tensorboard, catch_up=self.catch_up,
-            certifier=self.certifier,
+            certifier=self.certifier, notes=lambda: self._network().notes,
         )  # fmt: skip
 
     def _probe(self, prefix: str, key_path: Path, validators: list[Any]) -> None:
@@ -308,11 +308,13 @@ class SwarmPeer:
             self.on_round(outcome.report)
         return outcome
 
-    def catch_up(self) -> bool:
+    def catch_up(self, hint: HeadChoice | None = None, publish: bool = True) -> bool:
         """Move to the swarm's head if live peers are ahead, or heal a fork at our version (the
         head choice: `SwarmView.choose_head`). A peer whose branch lost contributes its last δ
-        again."""
-        choice = self.heads.view().choose_head(replay_window=self.catching_up.replay_window())
+        again. `hint`: go there instead (a two-stage delegate's note: replayed, never
+        downloaded); `publish`: publish our head if we moved (the caller may do it later)."""
+        window = self.catching_up.replay_window()
+        choice = hint or self.heads.view().choose_head(replay_window=window)
         if choice is None:
             return False
         moved = self.catching_up.run(choice, probe_fork=self.ledger.owns(self.state.version))
@@ -329,7 +331,8 @@ class SwarmPeer:
             bytes=moved.bytes, fork=moved.lost_fork, method=moved.method,
             from_version=moved.from_version, recontributed=recontributed,
         )  # fmt: skip
-        self.heads.publish()
+        if publish:
+            self.heads.publish()
         return True
 
     def finished(self) -> bool:
