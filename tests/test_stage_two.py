@@ -158,3 +158,9 @@ def test_the_delegate_tells_its_groups_other_members_the_result_hash() -> None:
     StageTwo().tell_members(rnd, result, record)  # type: ignore[arg-type]
     assert sorted(box.posted) == [(ME, Note.UPDATE, 3, HASH.encode()),
                                   (OTHER, Note.UPDATE, 3, HASH.encode())]  # fmt: skip
+
+
+def test_a_combine_waits_for_one_more_groups_all_reduce_bounded_by_the_timeout() -> None:
+    late = stage_two.LATE_SLACK_S
+    assert stage_two.combine_window(10.0, 1.5, 60.0) == pytest.approx(10.0 + 3.0 + late)
+    assert stage_two.combine_window(10.0, 40.0, 60.0) == pytest.approx(70.0)  # the timeout

@@ -118,7 +118,8 @@ class StageTwo:
                 first, None if box is None else lambda s: box.post(leader, Note.SEAL, version, s)
             )
             # the delegate's wait for our seals, its combine (twice at most), and its commit
-            deadline = time.time() + SEALS_WAIT_S + 3 * (window_s + rnd.swarm.allreduce_timeout_s)
+            ar_s = rnd.swarm.allreduce_timeout_s
+            deadline = time.time() + SEALS_WAIT_S + 3 * (window_s + 2 * ar_s)
             traffic = (result.bytes_sent, result.bytes_received)
             return self._await(rnd, mine, leader, traffic, loss, t0, deadline, result)
         began = time.time()
@@ -212,7 +213,10 @@ class StageTwo:
         combined = rnd.averager().average(
             combine_key(key), result.average, weight=1.0, gather=raw,
             target_size=combine_target(headers, rnd.swarm.group_size),
-            matchmaking_timeout_s=window_s, allreduce_timeout_s=rnd.swarm.allreduce_timeout_s,
+            matchmaking_timeout_s=combine_window(
+                window_s, result.allreduce_s, rnd.swarm.allreduce_timeout_s
+            ),
+            allreduce_timeout_s=rnd.swarm.allreduce_timeout_s,
             admit=admission,
         )  # fmt: skip
         groups = [screened[d] for d in combined.contributors]
@@ -264,6 +268,22 @@ class StageTwo:
             return rnd.keep(mine, "our group is not in the combined update", t0)
         timings = {**result.timings(), "replay_wait_s": time.time() - waited}
         return rnd.replayed(mine, record, traffic, loss, t0, timings)
+
+
+LATE_SLACK_S = 3.0
+"""What a late group's delegate needs besides its all-reduce to join a combine: its members'
+seals, the combine's matchmaking."""
+
+
+def combine_window(window_s: float, allreduce_s: float, allreduce_timeout_s: float) -> float:
+    """How long a delegate's combine waits for the other groups (it closes at once when all
+    it expects are in, `combine_target`): the window of its group's search, then time for one
+    more group's all-reduce (twice ours, and LATE_SLACK_S; at most the all-reduce timeout).
+    The last group to form may have waited its whole window for a peer that never came (a
+    restarted peer out of phase, a straggler) before it all-reduced without it; with the
+    window alone its delegate came seconds late, committed its group alone, found the others'
+    seals and kept its δs, every round (netlab, async, after kills: docs/results.md)."""
+    return window_s + min(allreduce_timeout_s, 2 * allreduce_s + LATE_SLACK_S)
 
 
 def _hint(box: Postbox | None, leader: str, version: int) -> HeadChoice | None:
