@@ -1,8 +1,8 @@
 """Round notes: short messages one peer hands another directly, so that a two-stage round
 (peer/stage_two.py) need not wait for the DHT to carry them. A note only says sooner what the
 DHT says anyway: a stage-one seal (signed; the delegate checks it as it checks one read from the
-DHT) or "the update on version v is committed" (a hint to catch up now). Nothing depends on a
-note arriving: whoever waits for one still reads the DHT, less often.
+DHT) or "the update on version v is committed, with this result hash" (where to replay from).
+Nothing depends on a note arriving: whoever waits for one still reads the DHT, less often.
 
     box = NoteBox(service, prefix, allow, version)     # every peer that accepts connections
     box.start(); box.wait_until_ready(timeout_s=30)
@@ -21,8 +21,9 @@ sender the allowlist refuses is not read; a note is kept for one of the newest M
 (kind, version) pairs, on a version at most WINDOW from the receiver's, from at most
 MAX_SENDERS senders each, the first note of a sender only; at most MAX_OPEN streams are read at
 once. Many keys (no allowlist) can fill a version's senders first: the notes of the real members
-are then refused, and the round reads the DHT, as it did before notes. A note's body is never trusted: a seal is
-verified where it is used, an update hint only makes the receiver read the DHT.
+are then refused, and the round reads the DHT, as it did before notes. A note's body is never
+trusted: a seal is verified where it is used; an update note only says where to replay from,
+and the replayed update's certificate and hash are checked as in any catch-up.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import enum
 import logging
 import struct
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Collection
 
 from hivemind.p2p import P2P, PeerID
@@ -69,7 +69,7 @@ class Note(enum.IntEnum):
     """A member's stage-one seal, to its group's delegate (body: the seal)."""
     UPDATE = 2
     """The delegate committed the update on the base version, to its group's members (body:
-    empty)."""
+    the update's result hash, 64 hex characters)."""
 
 
 def pack_note(kind: Note, version: int, body: bytes) -> bytes:
@@ -91,7 +91,7 @@ class Notes:
     docstring). The loop thread adds; the training thread reads and waits."""
 
     def __init__(self) -> None:
-        self._kept: OrderedDict[tuple[Note, int], dict[str, bytes]] = OrderedDict()
+        self._kept: dict[tuple[Note, int], dict[str, bytes]] = {}
         self._changed = threading.Condition()
 
     def add(self, sender: str, kind: Note, version: int, body: bytes) -> bool:
@@ -100,7 +100,7 @@ class Notes:
             key = (kind, version)
             notes = self._kept.get(key)
             if notes is None:
-                if self._kept and len(self._kept) >= MAX_VERSIONS:
+                if len(self._kept) >= MAX_VERSIONS:
                     if version <= min(v for _, v in self._kept):
                         return False  # older than everything kept: not worth a newer slot
                     self._kept.pop(min(self._kept, key=lambda k: k[1]))

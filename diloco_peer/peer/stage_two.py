@@ -119,7 +119,8 @@ class StageTwo:
             )
             # the delegate's wait for our seals, its combine (twice at most), and its commit
             ar_s = rnd.swarm.allreduce_timeout_s
-            deadline = time.time() + SEALS_WAIT_S + 3 * (window_s + 2 * ar_s)
+            combine_s = combine_window(window_s, result.allreduce_s, ar_s) + ar_s
+            deadline = time.time() + SEALS_WAIT_S + 2 * combine_s + window_s
             traffic = (result.bytes_sent, result.bytes_received)
             return self._await(rnd, mine, leader, traffic, loss, t0, deadline, result)
         began = time.time()
@@ -157,7 +158,7 @@ class StageTwo:
         self, rnd: Round, rules: RoundRules, members: tuple[str, ...], digest: str
     ) -> tuple[GroupMaterial, bytes] | None:
         """Our group's material for the combine, once every other member's stage-one seal is
-        in the DHT (bounded wait); None if one never comes."""
+        here, noted or in the DHT (bounded wait); None if one never comes."""
         headers = rnd.guard.signed_headers(list(members))
         others = [m for m in members if m != rnd.me]
         box = rnd.notes()
@@ -292,10 +293,8 @@ def _hint(box: Postbox | None, leader: str, version: int) -> HeadChoice | None:
     noted = None if box is None else box.received(Note.UPDATE, version).get(leader)
     if noted is None or len(noted) != 64:
         return None
-    try:
-        state_hash = noted.decode("ascii")
-        int(state_hash, 16)
-    except ValueError:
+    state_hash = noted.decode("latin-1")
+    if any(c not in "0123456789abcdef" for c in state_hash):
         return None
     return HeadChoice(version + 1, state_hash, (leader,), lost_fork=False, endorsed=False)
 
