@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from diloco_peer.averaging import hierarchy
 from diloco_peer.averaging.contribution import ContributionRejected
 from diloco_peer.coordinator_free.notes import Note, Notes
 from diloco_peer.coordinator_free.swarm_view import HeadChoice
@@ -161,6 +162,6 @@ def test_the_delegate_tells_its_groups_other_members_the_result_hash() -> None:
 
 
 def test_a_combine_waits_for_one_more_groups_all_reduce_bounded_by_the_timeout() -> None:
-    late = stage_two.LATE_SLACK_S
-    assert stage_two.combine_window(10.0, 1.5, 60.0) == pytest.approx(10.0 + 3.0 + late)
-    assert stage_two.combine_window(10.0, 40.0, 60.0) == pytest.approx(70.0)  # the timeout
+    late = hierarchy.LATE_SLACK_S
+    assert hierarchy.combine_window(10.0, 1.5, 60.0) == pytest.approx(10.0 + 3.0 + late)
+    assert hierarchy.combine_window(10.0, 40.0, 60.0) == pytest.approx(70.0)  # the timeout

@@ -75,6 +75,24 @@ def combine_target(headers: Mapping[str, ContributionHeader], group_size: int) -
     return max(2, math.ceil(most / max(group_size, 1)))
 
 
+LATE_SLACK_S = 3.0
+"""What a late group's delegate needs besides its all-reduce to join a combine: its members'
+seals, the combine's matchmaking."""
+
+
+def combine_window(window_s: float, allreduce_s: float, allreduce_timeout_s: float) -> float:
+    """How long a delegate's combine waits for the other groups (it closes at once when all
+    it expects are in, `combine_target`): the window of its group's search, then time for one
+    more group's all-reduce (twice ours, and LATE_SLACK_S; at most the all-reduce timeout).
+    The last group to form may have waited its whole window for a peer that never came (a
+    restarted peer out of phase, a straggler) before it all-reduced without it; with the
+    window alone its delegate came seconds late, committed its group alone, found the others'
+    seals and kept its δs, every round (netlab, async, after kills: docs/results.md). The
+    protocol simulator's combine waits for groups still searching instead
+    (swarm_sim/hierarchy.py `Combiner`)."""
+    return window_s + min(allreduce_timeout_s, 2 * allreduce_s + LATE_SLACK_S)
+
+
 def combine_key(key: str) -> str:
     """The combine's round key for stage-one groups under `key`."""
     return f"{key}_c"

@@ -37,6 +37,7 @@ from diloco_peer.averaging.hierarchy import (
     check_material,
     combine_key,
     combine_target,
+    combine_window,
     pack_material,
     screen_combine,
     stage_one_statement,
@@ -269,22 +270,6 @@ class StageTwo:
             return rnd.keep(mine, "our group is not in the combined update", t0)
         timings = {**result.timings(), "replay_wait_s": time.time() - waited}
         return rnd.replayed(mine, record, traffic, loss, t0, timings)
-
-
-LATE_SLACK_S = 3.0
-"""What a late group's delegate needs besides its all-reduce to join a combine: its members'
-seals, the combine's matchmaking."""
-
-
-def combine_window(window_s: float, allreduce_s: float, allreduce_timeout_s: float) -> float:
-    """How long a delegate's combine waits for the other groups (it closes at once when all
-    it expects are in, `combine_target`): the window of its group's search, then time for one
-    more group's all-reduce (twice ours, and LATE_SLACK_S; at most the all-reduce timeout).
-    The last group to form may have waited its whole window for a peer that never came (a
-    restarted peer out of phase, a straggler) before it all-reduced without it; with the
-    window alone its delegate came seconds late, committed its group alone, found the others'
-    seals and kept its δs, every round (netlab, async, after kills: docs/results.md)."""
-    return window_s + min(allreduce_timeout_s, 2 * allreduce_s + LATE_SLACK_S)
 
 
 def _hint(box: Postbox | None, leader: str, version: int) -> HeadChoice | None:
