@@ -60,6 +60,10 @@ SEALS_WAIT_S = 5.0
 """How long a delegate reads the DHT for its members' stage-one seals (they store them the
 moment their group's all-reduce ends)."""
 _POLL_S = 0.5
+LONE_GROUP_WAIT_S = 3.0
+"""How long a delegate whose combine found no other group waits before it commits its group
+alone (netlab, async: without it, a group whose combine closed on three other groups and one
+left alone both committed one version, a fork)."""
 _NOTED_POLL_S = 1.0
 """How often a member that can get notes still watches the heads for the update."""
 
@@ -138,6 +142,10 @@ class StageTwo:
                 return rnd.keep(mine, f"left out of the combine: {e.refusal.name}", t0)
             except NoGroup:  # no other group came in time: ours alone, its average bit for bit
                 combined = ([material], result.average, (0, 0), {})
+                # A combine that formed without us may be sealing its update right now; our
+                # commit alone bears one final seal, no claim it would see (certificate
+                # .rival_claims), so it is we who must see its: give its seals time to land.
+                time.sleep(LONE_GROUP_WAIT_S)
                 break
             except AllReduceFailed as e:
                 if attempt:
