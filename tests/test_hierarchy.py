@@ -280,6 +280,33 @@ def test_stage_one_seals_are_no_rival_claims(stages: tuple[Stage, Stage]) -> Non
     assert opened is not None and opened.stage_one and opened.result_hash == a.digest
 
 
+def test_a_one_group_two_stage_commit_is_a_claim_backed_by_its_members_stage_one_seals(
+    stages: tuple[Stage, Stage],
+) -> None:
+    """A delegate that committed its group alone seals the update by itself; the members'
+    stage-one seals of that same group make it a group's claim, so that a combine committing
+    on the same base later gives the version up instead of forking it."""
+    a, b = stages
+    boss = delegate(a.members, BASE)
+    alone = Statement(RUN, V, BASE, RESULT, a.members)
+    first = stage_one_statement(RUN, V, BASE, a.members, a.digest)
+    found = {p: seal(a.keys[p], first) for p in a.members if p != boss}
+    found[boss] = seal(a.keys[boss], alone)
+    combined = Statement(RUN, V, BASE, "f" * 64, tuple(sorted(a.members + b.members)))
+    assert rival_claims(found, combined) == [alone]
+    # the delegate's seal alone, or beside stage-one seals of another group, is one key's word
+    assert rival_claims({boss: found[boss]}, combined) == []
+    other = stage_one_statement(RUN, V, BASE, b.members, b.digest)
+    lone = {boss: found[boss], **{p: seal(b.keys[p], other) for p in b.members}}
+    assert rival_claims(lone, combined) == []
+    # a stage-one seal of that group on another base backs nothing
+    elsewhere = stage_one_statement(RUN, V, "e" * 64, a.members, a.digest)
+    shifted = {boss: found[boss], **{p: seal(a.keys[p], elsewhere) for p in a.members if p != boss}}
+    assert rival_claims(shifted, combined) == []
+    # and our own one-group commit is never our rival
+    assert rival_claims(found, alone) == []
+
+
 def test_groups_round_trip_and_garbage_is_refused(stages: tuple[Stage, Stage]) -> None:
     a, b = stages
     groups = (GroupPart(a.members, a.digest), GroupPart(b.members, b.digest))

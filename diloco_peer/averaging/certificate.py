@@ -206,20 +206,30 @@ def open_seal(data: object, signer: str) -> Statement | None:
 
 def rival_claims(found: Mapping[str, bytes], mine: Statement) -> list[Statement]:
     """Other groups that committed on the same base as `mine` (issue 15: two groups never form
-    under one key): statements with two or more members each of which sealed it, for this run,
-    base version and base hash, other than ours. A lone key's claim is no group's (one key's
-    word must not make a group give its version up)."""
-    signers: dict[Statement, set[str]] = {}
+    under one key): statements other than ours, for this run, base version and base hash,
+    backed by two or more keys. A lone key's claim is no group's (one key's word must not make
+    a group give its version up); its backers are its signers, and, for a two-stage update of
+    one group (a delegate whose combine found no other group commits its group's average
+    alone, sealed by itself only), the members that sealed that very group in stage one.
+    Without them, a combine that committed after such an update could not see it: both
+    committed one version, a fork (netlab, async, 2026-12-03)."""
+    finals: dict[Statement, set[str]] = {}
+    groups: dict[tuple[str, ...], set[str]] = {}  # a stage-one group: its members that sealed it
     for signer, data in found.items():
         statement = open_seal(data, signer)
-        if statement is None or statement == mine or statement.stage_one:
-            continue  # a stage-one statement commits nothing
+        if statement is None or statement == mine:
+            continue
         same_base = (statement.run, statement.base_version, statement.base_hash) == (
             mine.run, mine.base_version, mine.base_hash,
         )  # fmt: skip
-        if same_base:
-            signers.setdefault(statement, set()).add(signer)
-    return [s for s, who in signers.items() if len(who) >= 2]
+        if not same_base:
+            continue
+        if statement.stage_one:  # commits nothing by itself
+            if signer in statement.members:
+                groups.setdefault(statement.members, set()).add(signer)
+            continue
+        finals.setdefault(statement, set()).add(signer)
+    return [s for s, who in finals.items() if len(who | groups.get(s.members, set())) >= 2]
 
 
 @dataclass(frozen=True)
