@@ -288,6 +288,34 @@ def test_a_group_that_sees_another_group_committed_on_its_base_gives_the_version
     assert replica.updates.newest() is None  # nothing kept for replay
 
 
+@pytest.mark.parametrize("claimant_shows", [False, True])
+def test_a_claim_given_way_to_once_must_show_a_head_the_second_time(claimant_shows: bool) -> None:
+    """A claim no live head stands for (made up, or its keys serve no such state) costs our
+    group one round, not our base forever; one that a head shows is given way to again."""
+    members = [ME.peer_id_str, OTHER]
+    part, replica, heads, _ = make_round(
+        FakeAverager(result(members), result(members)), {OTHER: {}}
+    )  # fmt: skip
+    claim = Statement("run1", 0, replica.published_hash, "f" * 64, ("Apeer", "Bpeer"))
+    heads.rival = [claim]
+    assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.KEPT
+    view = heads.view
+    if claimant_shows:
+
+        def showing() -> SwarmView:  # Apeer at the version the claim made, with its hash
+            seen = view()
+            shown = PeerHead(peer_id="Apeer", version=1, state_hash="f" * 64)
+            return SwarmView(seen.me, seen.version, seen.state_hash,
+                             {**seen.heads, "Apeer": shown})  # fmt: skip
+
+        heads.view = showing  # type: ignore[method-assign]
+    outcome = part.run(delta(), loss=2.0, t0=0.0)
+    if claimant_shows:
+        assert outcome.status is RoundStatus.KEPT and replica.version == 0
+    else:
+        assert outcome.status is RoundStatus.COMMITTED and replica.version == 1
+
+
 def test_async_waits_only_for_peers_expected_soon() -> None:
     # the other peer trains a long phase: nobody to wait for, the δ is applied at once
     busy = {OTHER: {"speed": 1.0, "eta": 1e12}}

@@ -154,6 +154,8 @@ class Round:
         self.co_planners: list[str] = []
         """The other members of the group committed last: they plan their next phase with us."""
         self._waited_again = False
+        self._gave_way: set[Statement] = set()
+        """Claims we gave a version up to: the second time, only if a live head shows them."""
 
     @property
     def asynchronous(self) -> bool:
@@ -310,7 +312,7 @@ class Round:
             shards = mine.shard_samples if group_shards is None else group_shards
             record = self.replica.prepare(result.average, members, shards, headers)
         self.certifier.seal(record)
-        rivals = self.certifier.rivals(record) if result is not None else []
+        rivals = self._rivals(record) if result is not None else []
         if rivals:  # another group committed on our base first: one version, one group
             self.certifier.void(record)
             self.replica.restore()
@@ -337,6 +339,20 @@ class Round:
         )  # fmt: skip
         status = RoundStatus.ALONE if result is None else RoundStatus.COMMITTED
         return RoundOutcome(status, report)
+
+    def _rivals(self, record: UpdateRecord) -> list[Statement]:
+        """The claims of other groups on our base that we give the version up to. A claim we
+        gave way to once must show itself the second time (a live head at the version it
+        made, with its hash): a claim nobody can reach (made up by keys that serve no such
+        state) would otherwise stall our base until its seals expire."""
+        rivals = self.certifier.rivals(record)
+        if any(r in self._gave_way for r in rivals):
+            shown = {(h.version, h.state_hash) for h in self.heads.view().heads.values()}
+            rivals = [r for r in rivals if r not in self._gave_way
+                      or (r.base_version + 1, r.result_hash) in shown]  # fmt: skip
+        self._gave_way = set(rivals) | {r for r in self._gave_way
+                                        if r.base_version >= record.base_version}  # fmt: skip
+        return rivals
 
     def replayed(
         self,
