@@ -25,7 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import publish, write_section  # noqa: E402
 
-from diloco_peer.swarm_sim import SwarmSimSpec, simulate_swarm  # noqa: E402
+from diloco_peer.swarm_sim.engine import simulate_swarm  # noqa: E402
+from diloco_peer.swarm_sim.spec import SwarmSimSpec  # noqa: E402
 
 BEGIN = "<!-- begin: bench/swarm_scale.py -->"
 END = "<!-- end: bench/swarm_scale.py -->"

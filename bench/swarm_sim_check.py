@@ -37,7 +37,8 @@ from diloco_peer.config import default_run  # noqa: E402
 from diloco_peer.coordinator_free.manifest import dump_run_config  # noqa: E402
 from diloco_peer.local_swarm import LocalSwarm  # noqa: E402
 from diloco_peer.peer.events import read_log  # noqa: E402
-from diloco_peer.swarm_sim import SwarmSimSpec, simulate_swarm  # noqa: E402
+from diloco_peer.swarm_sim.engine import simulate_swarm  # noqa: E402
+from diloco_peer.swarm_sim.spec import SwarmSimSpec  # noqa: E402
 
 BEGIN = "<!-- begin: bench/swarm_sim_check.py -->"
 END = "<!-- end: bench/swarm_sim_check.py -->"

@@ -208,7 +208,7 @@ class ForkProbe(FakeDownloads):
     ("base_hash", "lost"), [("f" * 64, True), ("0" * 64, False), (None, False)],
     ids=["other-branch", "our-branch", "unknown"],
 )  # fmt: skip
-def test_before_a_download_one_update_tells_whether_our_own_version_lost_a_fork(
+def test_with_a_download_one_update_tells_whether_our_own_version_lost_a_fork(
     base_hash: str | None, lost: bool
 ) -> None:
     # a partition: our side committed version 1 itself, the other side reached version 5 on
@@ -232,3 +232,42 @@ def test_before_a_download_one_update_tells_whether_our_own_version_lost_a_fork(
         moved = part.run(choice(["d1", "d2"]), probe_fork=probe_fork)
         assert moved is not None and not moved.lost_fork
         assert [c[0] for c in downloads.calls] == ["multi"]
+
+
+class StalledReplays(ForkProbe):
+    """The first `stalls` update requests time out (a link that stalls right after a partition
+    heals), then the donors answer with the update they applied to version 1 from another
+    branch."""
+
+    def __init__(self, stalls: int) -> None:
+        super().__init__("f" * 64)
+        self.stalls = stalls
+
+    def update(self, donor: str, base_version: int) -> bytes:
+        if self.stalls > 0:
+            self.stalls -= 1
+            self.calls.append(("update", donor, str(base_version)))
+            raise StateTransferFailed("stalled", kind=TransferFailure.STALLED)
+        return super().update(donor, base_version)
+
+
+@pytest.mark.timeout(10)
+def test_replays_that_fail_on_the_way_still_find_out_that_our_version_lost_a_fork() -> None:
+    # a few versions behind and the state costs more than them: replay first, from two donors;
+    # both time out, the full state comes from all donors at once, and then one update tells
+    # that our version was on the losing branch: our δ goes into the swarm again
+    downloads = StalledReplays(stalls=2)
+    part = CatchUp(
+        FakeReplica(blob_bytes=1000), downloads, me="me", keep_updates=8, verify=lambda r: None
+    )  # type: ignore[arg-type]
+    moved = part.run(choice(["d1", "d2"]), probe_fork=True)
+    assert [c[0] for c in downloads.calls] == ["update", "update", "multi", "update"]
+    assert moved is not None and moved.method == "download" and moved.lost_fork
+    # without our own δ at stake, nothing is probed
+    downloads = StalledReplays(stalls=2)
+    part = CatchUp(
+        FakeReplica(blob_bytes=1000), downloads, me="me", keep_updates=8, verify=lambda r: None
+    )  # type: ignore[arg-type]
+    moved = part.run(choice(["d1", "d2"]), probe_fork=False)
+    assert [c[0] for c in downloads.calls] == ["update", "update", "multi"]
+    assert moved is not None and not moved.lost_fork

@@ -1,10 +1,20 @@
 """Whom a peer pings to mend its DHT routing table after a partition (coordinator_free/rejoin.py):
-the pure rule, with no DHT. Between real DHT nodes on a split network: test_partition.py."""
+the pure rule, with no DHT. Between real DHT nodes on a split network: test_partition.py. And
+how a joining node's start is tried again while no `--swarm` peer answers (network.start_dht);
+a wrong address failing with exit 2 between real processes: test_swarm.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from diloco_peer.coordinator_free.rejoin import RejoinBook
-from diloco_peer.peer.network import initial_peer_ids
+from diloco_peer.errors import BadInput
+from diloco_peer.peer.network import (
+    BOOTSTRAP_BACKOFF_S,
+    BOOTSTRAP_TRIES,
+    initial_peer_ids,
+    start_dht,
+)
 
 
 def test_known_peers_missing_from_the_table_are_pinged_the_newest_first() -> None:
@@ -57,3 +67,36 @@ def test_the_initial_peers_are_named_by_the_join_multiaddrs() -> None:
         "QmWn4jsMYyVBDVxEXPg912m154r1pyNhkcKWPpJ22s7fas",
         "QmVhfXkchG688o3mzPSy78SSt8DVWX4d7ZCY33omDvmSek",
     ]
+
+
+class Starts:
+    """A node start that fails like hivemind's daemon when no `--swarm` peer answers, `fails`
+    times, then starts."""
+
+    def __init__(self, fails: int, reason: str = "failed to connect to bootstrap peers") -> None:
+        self.fails, self.reason, self.calls = fails, reason, 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise RuntimeError(f"P2P daemon failed to start\n{self.reason}")
+        return "dht"
+
+
+def test_a_join_whose_swarm_peers_do_not_answer_at_once_tries_again_with_backoff() -> None:
+    # a founder busy with a round (or a loaded machine) may miss a newcomer's first dial
+    waits: list[float] = []
+    start = Starts(fails=2)
+    assert start_dht(start, sleep=waits.append) == "dht"  # type: ignore[arg-type]
+    assert start.calls == 3 and waits == [BOOTSTRAP_BACKOFF_S, 2 * BOOTSTRAP_BACKOFF_S]
+    # nobody answers at all (a wrong address): bad input after the last try, never more tries
+    waits.clear()
+    start = Starts(fails=99)
+    with pytest.raises(BadInput, match=rf"no peer of --swarm answered \({BOOTSTRAP_TRIES} tries"):
+        start_dht(start, sleep=waits.append)  # type: ignore[arg-type]
+    assert start.calls == BOOTSTRAP_TRIES and len(waits) == BOOTSTRAP_TRIES - 1
+    # any other failure (a busy port, a key in use) is bad input at once
+    start = Starts(fails=1, reason="address already in use")
+    with pytest.raises(BadInput, match="cannot start the peer's network node: address already"):
+        start_dht(start, sleep=waits.append)  # type: ignore[arg-type]
+    assert start.calls == 1

@@ -117,20 +117,60 @@ def test_bad_join_input_is_one_line_and_exit_2(tmp_path: Path, swarm: LocalSwarm
 def test_unknown_run_and_corrupt_checkpoint_exit_2(tmp_path: Path, swarm: LocalSwarm) -> None:
     a, log_a = swarm.start("a", *NANO, "--max-rounds", "50")
     start = swarm.wait_event(log_a, "start", 90)
-    out = subprocess.run(
-        [*PY, "join", "--run", "other", "--host", "127.0.0.1", "--quiet", "--swarm", start["maddrs"][0]],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert out.returncode == 2, out.stderr[-1500:]
-    assert "no manifest" in out.stderr.lower() or "manifest" in out.stderr
     ckpt = tmp_path / "ck"
     ckpt.mkdir()
     bad = ckpt / "t.peer.safetensors"
     bad.write_bytes(b"\x00" * 64)
-    out = _join_fails(tmp_path, "--swarm", start["maddrs"][0], "--checkpoint-dir", str(ckpt))
+    # both at once: the unknown run waits out the manifest lookup, the other fails at once
+    with ThreadPoolExecutor(2) as pool:
+        unknown = pool.submit(
+            subprocess.run,
+            [*PY, "join", "--run", "other", "--host", "127.0.0.1", "--quiet",
+             "--swarm", start["maddrs"][0]],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        corrupt = pool.submit(
+            _join_fails, tmp_path, "--swarm", start["maddrs"][0], "--checkpoint-dir", str(ckpt)
+        )
+        out, spoiled = unknown.result(), corrupt.result()
     assert out.returncode == 2, out.stderr[-1500:]
-    assert len(out.stderr.strip().splitlines()) == 1
+    assert "no manifest" in out.stderr.lower() or "manifest" in out.stderr
+    assert spoiled.returncode == 2, spoiled.stderr[-1500:]
+    assert len(spoiled.stderr.strip().splitlines()) == 1
     assert bad.read_bytes() == b"\x00" * 64  # nothing overwritten
+
+
+@pytest.mark.multipeer
+@pytest.mark.slow  # about 40 s: two peers, one round
+@pytest.mark.timeout(240)
+def test_a_joiner_started_before_its_swarm_answers_tries_again_and_joins(
+    tmp_path: Path, swarm: LocalSwarm
+) -> None:
+    # The founder's address is known before it runs (its key and port): the joiner's first
+    # start finds nobody there (exit 2 before network.start_dht); the founder comes up while
+    # the joiner waits to try again, and the joiner trains with it.
+    from diloco_peer.identity import Identity
+
+    owner = Identity.generate()
+    key = tmp_path / "owner.key"
+    owner.save(key)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{owner.peer_id_str}"
+    joiner, jlog = swarm.start("joiner", "--swarm", address, "--max-rounds", "1", "--verbose")
+    deadline = time.time() + 120
+    err = tmp_path / "joiner.err"
+    while "no peer of --swarm answered (try 1 of" not in err.read_text(errors="replace"):
+        assert joiner.poll() is None and time.time() < deadline, err.read_text()[-2000:]
+        time.sleep(0.2)
+    founder, flog = swarm.start("founder", *NANO, "--port", str(port), "--identity", str(key),
+                                "--expected-peers", "2", "--max-rounds", "1")  # fmt: skip
+    assert joiner.wait(timeout=180) == 0, err.read_text()[-2000:]
+    assert founder.wait(timeout=60) == 0
+    rounds = [e for e in read_log(jlog) if e["event"] == "round"]
+    assert rounds and rounds[0]["group_size"] == 2, rounds
+    assert owner.peer_id_str in rounds[0]["members"], rounds
 
 
 FAST_RUN = """

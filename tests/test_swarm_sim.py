@@ -11,9 +11,9 @@ import pytest
 
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.errors import ConfigError
-from diloco_peer.swarm_sim import SwarmSim, SwarmSimSpec, simulate_swarm
-from diloco_peer.swarm_sim.engine import peer_name
+from diloco_peer.swarm_sim.engine import SwarmSim, peer_name, simulate_swarm
 from diloco_peer.swarm_sim.hierarchy import delegate
+from diloco_peer.swarm_sim.spec import SwarmSimSpec
 from diloco_peer.swarm_sim.swarm import GENESIS, Dht, History
 
 EVEN = dict(heterogeneity="none", jitter=0.0, step_s=1.0, inner_steps=50, hours=0.5)

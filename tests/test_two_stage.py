@@ -47,6 +47,7 @@ def rounds(log: Path) -> dict[int, dict[str, object]]:
 
 
 @pytest.mark.multipeer
+@pytest.mark.slow  # about 75 s: the two-stage rules have unit tests in the default suite
 @pytest.mark.timeout(420)
 def test_six_peers_in_groups_of_three_make_one_version_from_both_groups(
     swarm: LocalSwarm, tmp_path: Path

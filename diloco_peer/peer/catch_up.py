@@ -133,36 +133,38 @@ class CatchUp:
         """Move to `choice`; None (the replica unchanged) if no donor gave the chosen state.
 
         `probe_fork`: our own δ produced our version, and goes into the swarm again if that
-        version's branch lost. A replay finds that out as it goes; before a full download, one
-        update from a donor does (`_forked`), so that a peer whose branch fell behind by several
-        versions during a partition still contributes its δ again."""
+        version's branch lost. A replay finds that out as it goes; when none told (no replay, or
+        every replay failed on the way, as over a link that stalls right after a partition
+        heals), one update from a donor does once the state is downloaded (`_forked`), so that a
+        peer whose branch fell behind by several versions still contributes its δ again."""
         donors = list(choice.donors)
         random.Random(f"{self.me}/{choice.version}").shuffle(donors)
         state, t0 = self.replica.state, time.time()
-        old_version, lost_fork = state.version, choice.lost_fork
+        old_version, old_hash, lost_fork = state.version, state.hash(), choice.lost_fork
         missed = choice.version - old_version
         horizon = self.replay_window()
         moved: tuple[str, str, int] | None = None  # method, donor, bytes
+        told = False  # a replay told whether our branch lost
         # the donors keep these (update_log.log_capacity); a fork at our version is healed by
         # replaying the winning branch from our parent state
-        replay = replays(missed, horizon)
-        if replay:
+        if replays(missed, horizon):
             for donor in donors[:REPLAY_DONORS]:
                 outcome, nbytes = self._replay(donor, choice.version, choice.state_hash)
                 if outcome in (Replay.DONE, Replay.HEALED):
                     moved = ("replay", donor, nbytes)
-                    lost_fork = lost_fork or outcome is Replay.HEALED
+                    lost_fork, told = lost_fork or outcome is Replay.HEALED, True
                     break
                 if outcome is Replay.FORK:
-                    lost_fork = True
+                    lost_fork, told = True, True
                     break
-        probed = 0
-        if moved is None and probe_fork and not replay and 0 < missed <= self.keep_updates:
-            lost_fork, probed = self._forked(donors, old_version)
         if moved is None and choice.endorsed:  # one key's word is replayed, never downloaded
             moved = self._download(donors, choice)
         if moved is None:
             return None
+        probed = 0
+        if probe_fork and not told and 0 < missed <= self.keep_updates:
+            forked, probed = self._forked(donors, old_version, old_hash)
+            lost_fork = lost_fork or forked
         self.replica.snapshot()
         method, donor, nbytes = moved
         return CaughtUp(method, donor, probed + nbytes, time.time() - t0, old_version, lost_fork)
@@ -238,13 +240,13 @@ class CatchUp:
         parent = self.replica.parent
         return parent is not None and parent.version == self.replica.published_version - 1
 
-    def _forked(self, donors: list[str], version: int) -> tuple[bool, int]:
-        """Whether our state at `version` is off the branch of the head's donors (the update
-        they applied to their `version` starts from another hash than ours), with the bytes
-        that took. False when no donor tells (its log no longer holds that update, or it
-        failed): a δ is never contributed twice on a guess."""
+    def _forked(self, donors: list[str], version: int, mine: str) -> tuple[bool, int]:
+        """Whether our state at `version` (of hash `mine`) is off the branch of the head's
+        donors (the update they applied to their `version` starts from another hash than ours),
+        with the bytes that took. False when no donor tells (its log no longer holds that
+        update, or it failed): a δ is never contributed twice on a guess."""
         shapes = [tuple(t.shape) for t in self.replica.state.theta]
-        mine, nbytes = self.replica.state.hash(), 0
+        nbytes = 0
         for donor in donors[:REPLAY_DONORS]:
             try:
                 data = self.downloads.update(donor, version)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,12 @@ READY_TIMEOUT_S = 30.0
 """Each part's setup (the service's replica, the averager's and servers' handlers)."""
 REACHABILITY_TIMEOUT_S = 10.0
 """A joiner's dial-back probe (reachability.py): at most this long before it trains."""
+BOOTSTRAP_TRIES = 4
+"""Starts of the node while none of the `--swarm` peers answers: a peer busy with a round (or a
+machine under load) may not answer a newcomer's first dial in time, so that alone is no reason
+to give up; a wrong address fails after the last try."""
+BOOTSTRAP_BACKOFF_S = 2.0
+"""The wait before the second try; it doubles before each later one."""
 
 
 def start_lifeline(identity: Identity, tmp: Path) -> tuple[Lifeline, Path]:
@@ -135,8 +142,9 @@ def open_node(
     """Start the DHT node on `spec.host:port` and a ready P2P service on it; BadInput if the
     node cannot start (a bad address, a busy port, a key already in use). With a `lifeline`, the
     DHT process and its daemon end when this process does, however it dies."""
-    try:
-        dht = PeerDHT(
+
+    def start() -> DHT:
+        return PeerDHT(
             lifeline=lifeline,
             start=True,
             identity_path=str(key_path),
@@ -149,13 +157,35 @@ def open_node(
             # a restart after the reachability probe reuses the key of the node it replaces
             check_if_identity_free=identity_checked,
         )
-    except Exception as e:  # hivemind reports bad addresses and busy ports this way
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise BadInput(f"cannot start the peer's network node: {reason}") from None
+
+    dht = start_dht(start)
     service = P2PService(dht)
     service.start()
     service.wait_until_ready(timeout_s=READY_TIMEOUT_S)
     return Node(dht, service, client_mode)
+
+
+def start_dht(start: Callable[[], DHT], sleep: Callable[[float], None] = time.sleep) -> DHT:
+    """`start()`, tried again (`BOOTSTRAP_TRIES` in all, with a growing wait) while it fails
+    because none of the `--swarm` peers answered; BadInput when it fails for another reason
+    (a bad address, a busy port, a key already in use) or the last try fails too."""
+    attempt = 1
+    while True:
+        try:
+            return start()
+        except Exception as e:  # hivemind reports bad addresses and busy ports this way
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            if "bootstrap" not in reason.lower():
+                raise BadInput(f"cannot start the peer's network node: {reason}") from None
+            if attempt >= BOOTSTRAP_TRIES:
+                raise BadInput(f"no peer of --swarm answered ({BOOTSTRAP_TRIES} tries): "
+                               f"{reason}") from None  # fmt: skip
+            wait_s = BOOTSTRAP_BACKOFF_S * 2 ** (attempt - 1)
+            # INFO: bad input must stay one line on stderr if the last try fails too
+            log.info("no peer of --swarm answered (try %d of %d); again in %.0f s: %s",
+                     attempt, BOOTSTRAP_TRIES, wait_s, reason)  # fmt: skip
+            sleep(wait_s)
+            attempt += 1
 
 
 def agree_on_manifest(
