@@ -3,12 +3,13 @@ swarm of real peer processes for the multi-peer tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ import torch
 from diloco_peer.config import RunSpec
 from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm
 from diloco_peer.peer.data import TokenDataset, build_dataset
+
+if TYPE_CHECKING:
+    from diloco_peer.p2p.service import P2PService
 
 # Everything the engine tests train: the nano model on short sequences of a small corpus slice.
 SMALL_RUN = RunSpec(
@@ -82,3 +86,28 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     return DemoRun(json.loads(out.stdout), log)
+
+
+@contextlib.contextmanager
+def loopback_services(count: int = 2) -> Iterator[list[P2PService]]:
+    """`count` real DHT nodes on 127.0.0.1, the later ones bootstrapped from the first, each
+    with a ready P2P service; all shut down on the way out, whatever happens."""
+    from hivemind.dht import DHT
+
+    from diloco_peer.p2p.service import P2PService
+
+    dhts: list[DHT] = []
+    services: list[P2PService] = []
+    try:
+        for _ in range(count):
+            maddrs = [str(m) for m in dhts[0].get_visible_maddrs()] if dhts else []
+            dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs))
+            services.append(P2PService(dhts[-1]))
+            services[-1].start()
+            services[-1].wait_until_ready(30)
+        yield services
+    finally:
+        for service in services:
+            service.shutdown()
+        for dht in dhts:
+            dht.shutdown()

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from hivemind.dht import DHT
+from conftest import loopback_services
 from hivemind.p2p import P2P, PeerID
 
 from diloco_peer.coordinator_free import notes as notes_module
@@ -79,33 +79,21 @@ def boxes() -> Iterator[tuple[list[NoteBox], list[P2PService], dict[str, object]
     """Two nodes with a note box each; `setting` holds what their rules read (the receivers'
     version, the peers the allowlist refuses)."""
     setting: dict[str, object] = {"version": 5, "refused": set()}
-    dhts: list[DHT] = []
-    services: list[P2PService] = []
     made: list[NoteBox] = []
-    try:
-        first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        dhts.append(first)
-        maddrs = [str(m) for m in first.get_visible_maddrs()]
-        dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs))
-        for dht in dhts:
-            services.append(P2PService(dht))
-            services[-1].start()
-            services[-1].wait_until_ready(30)
-            box = NoteBox(
-                services[-1], PREFIX, allow=lambda p: p not in setting["refused"],  # type: ignore[operator]
-                version=lambda: setting["version"],  # type: ignore[arg-type,return-value]
-            )  # fmt: skip
-            made.append(box)
-            box.start()
-            box.wait_until_ready(30)
-        yield made, services, setting
-    finally:
-        for box in made:
-            box.shutdown()
-        for service in services:
-            service.shutdown()
-        for dht in dhts:
-            dht.shutdown()
+    with loopback_services(2) as services:
+        try:
+            for service in services:
+                box = NoteBox(
+                    service, PREFIX, allow=lambda p: p not in setting["refused"],  # type: ignore[operator]
+                    version=lambda: setting["version"],  # type: ignore[arg-type,return-value]
+                )  # fmt: skip
+                made.append(box)
+                box.start()
+                box.wait_until_ready(30)
+            yield made, services, setting
+        finally:
+            for box in made:
+                box.shutdown()
 
 
 @pytest.mark.timeout(60)

@@ -7,7 +7,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-from hivemind.dht import DHT
+from conftest import loopback_services
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
@@ -70,29 +70,14 @@ def test_verdict_from_the_replies() -> None:
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[P2PService, P2PService, str]]:
     """A node serving dial-backs, and a second node that asks it; each with its P2P service."""
-    dhts: list[DHT] = []
-    services: list[P2PService] = []
-    server = None
-    try:
-        first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        dhts.append(first)
-        maddrs = [str(m) for m in first.get_visible_maddrs()]
-        dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs))
-        for dht in dhts:
-            services.append(P2PService(dht))
-            services[-1].start()
-            services[-1].wait_until_ready(30)
+    with loopback_services(2) as services:
         server = DialBackServer(services[0], PREFIX)
-        server.start()
-        server.wait_until_ready(30)
-        yield services[0], services[1], services[0].peer_id
-    finally:
-        if server is not None:
+        try:
+            server.start()
+            server.wait_until_ready(30)
+            yield services[0], services[1], services[0].peer_id
+        finally:
             server.shutdown()
-        for service in services:
-            service.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 @pytest.mark.timeout(60)

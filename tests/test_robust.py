@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
-from hivemind.dht import DHT
+from conftest import loopback_services
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hypothesis import given, settings
@@ -60,7 +60,6 @@ from diloco_peer.errors import AllReduceFailed
 from diloco_peer.p2p.service import P2PService
 
 NOISE_RATIO = 2.0
-DAEMON_TIMEOUT_S = 30.0
 
 
 def honest_parts(members: int, numel: int, seed: int) -> list[Tensor]:
@@ -419,23 +418,8 @@ ROUND_TIMEOUT_S = 30.0
 @pytest.fixture(scope="module")
 def services() -> Iterator[list[P2PService]]:
     """4 DHTs on 127.0.0.1, each joined to the first, each with its P2P service."""
-    dhts: list[DHT] = []
-    started: list[P2PService] = []
-    try:
-        for _ in range(4):
-            known = [str(m) for m in dhts[0].get_visible_maddrs()] if dhts else []
-            dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=known))
-        for dht in dhts:
-            started.append(P2PService(dht))
-            started[-1].start()
-        for service in started:
-            service.wait_until_ready(DAEMON_TIMEOUT_S)
+    with loopback_services(4) as started:
         yield started
-    finally:
-        for service in started:
-            service.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 def on_loop(service: P2PService, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
