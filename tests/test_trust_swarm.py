@@ -129,6 +129,7 @@ def test_a_member_that_never_sends_its_parts_stalls_one_round_not_the_swarm(
 
 
 @pytest.mark.multipeer
+@pytest.mark.slow  # about 55 s; the allowlist's rules have unit tests in test_allowlist.py
 @pytest.mark.timeout(480)
 def test_a_private_swarm_admits_only_listed_keys(swarm: LocalSwarm, tmp_path: Path) -> None:
     """Two listed peers train together; a third key, not on the allowlist, gets no state and
