@@ -63,11 +63,12 @@ class FakeHeads:
         self.voided.append(record)
 
     def view(self) -> SwarmView:
-        v, h = self.replica.version, self.replica.published_hash
+        # the others are at our published state (while we commit, our replica is one ahead)
+        v, h = self.replica.published_version, self.replica.published_hash
         heads = {
             p: PeerHead(peer_id=p, version=v, state_hash=h, **f) for p, f in self.others.items()
         }
-        return SwarmView(ME.peer_id_str, v, h, heads)
+        return SwarmView(ME.peer_id_str, self.replica.version, h, heads)
 
     def publish(self, in_group: bool = False, leaving: bool = False) -> None:
         self.published.append(in_group)
@@ -314,6 +315,57 @@ def test_a_claim_given_way_to_once_must_show_a_head_the_second_time(claimant_sho
         assert outcome.status is RoundStatus.KEPT and replica.version == 0
     else:
         assert outcome.status is RoundStatus.COMMITTED and replica.version == 1
+
+
+class MovingOn(FakeAverager):
+    """Answers like FakeAverager; while the group averages, `shown` peers move past our base
+    (the next view, the commit's, shows them there)."""
+
+    def __init__(self, heads: FakeHeads, shown: dict[str, PeerHead], *answers: Any) -> None:
+        super().__init__(*answers)
+        self.armed = False
+        view = heads.view
+
+        def seen() -> SwarmView:
+            before = view()
+            if not self.armed:
+                return before
+            self.armed = False
+            return SwarmView(before.me, before.version, before.state_hash,
+                             {**before.heads, **shown})  # fmt: skip
+
+        heads.view = seen  # type: ignore[method-assign]
+
+    def average(self, key: str, delta: list[torch.Tensor], **kwargs: Any) -> GroupResult:
+        self.armed = True
+        return super().average(key, delta, **kwargs)
+
+
+@pytest.mark.parametrize("protocol", ["sync", "async"])
+@pytest.mark.parametrize("holders", [1, 2])
+def test_a_group_whose_base_the_swarm_moved_past_gives_its_version_up_once(
+    protocol: str, holders: int
+) -> None:
+    """Peers moved to v1 on another branch while our group averaged on v0 (an async lone
+    commit that others followed): committing our v1 would fork, so our group keeps its δs for
+    the next round, as it does for a claim; one key's head moves nobody. A state given way to
+    once is passed over the second time (catch-up could not reach it: a made-up head)."""
+    members = [ME.peer_id_str, OTHER]
+    others: dict[str, dict[str, Any]] = {OTHER: {}, "PeerCee": {}, "PeerDee": {}}
+    part, replica, heads, _ = make_round(FakeAverager(result(members)), others, protocol=protocol)
+    moved = {p: PeerHead(peer_id=p, version=1, state_hash="c" * 64)
+             for p in ("PeerCee", "PeerDee")[:holders]}  # fmt: skip
+    averager = MovingOn(heads, moved, result(members))
+    part.averager = lambda: averager  # type: ignore[method-assign]
+    outcome = part.run(delta(), loss=2.0, t0=0.0)
+    if holders == 1:
+        assert outcome.status is RoundStatus.COMMITTED and replica.version == 1
+        return
+    assert outcome.status is RoundStatus.KEPT and "moved past our base to v1" in outcome.reason
+    assert replica.version == 0 and replica.state.hash() == replica.published_hash
+    assert heads.sealed == [] and replica.updates.newest() is None
+    outcome = part.run(delta(), loss=2.0, t0=0.0)  # still at v0: the same state again
+    assert outcome.status is RoundStatus.COMMITTED and replica.version == 1
 
 
 def test_async_waits_only_for_peers_expected_soon() -> None:

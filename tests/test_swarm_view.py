@@ -189,6 +189,22 @@ def test_at_the_top_the_hash_most_peers_hold_wins_ties_by_the_larger_hash() -> N
     assert tie is not None and tie.state_hash == H2 and tie.donors == (B,)
 
 
+def test_a_group_sees_the_states_a_quorum_moved_to_past_its_base_but_its_own() -> None:
+    """While our group averaged on v3, peers moved on (an async lone commit at v4 that others
+    followed, or another group's v4): committing our v4 would fork. Our own group's result at
+    v4 is no such state; one key's head moves nobody; states at our base are the claims' job."""
+    mine = "9" * 64  # our group's result
+    moved = view(head(A, 4, H1), head(B, 4, H1), head(C, 5, H2), head(D, 5, H2), version=4)
+    assert moved.moved_past(3, mine) == [(5, H2), (4, H1)]
+    ours = view(head(A, 4, mine), head(B, 4, mine), head(C, 3), version=4)
+    assert ours.moved_past(3, mine) == []
+    lone = view(head(A, 4, H1), head(B, 3), head(C, 3), version=4)
+    assert lone.moved_past(3, mine) == []
+    assert view(head(A, 4, H1), version=4).moved_past(3, mine) == [(4, H1)]  # a swarm of two
+    at_base = view(head(A, 3, H1), head(B, 3, H1), version=4)
+    assert at_base.moved_past(3, mine) == []
+
+
 def test_one_keys_head_is_never_downloaded_whole() -> None:
     """The hijack of issue 16: one head far ahead (a forged state at v+1000) against honest heads;
     or one head with another hash at our own version. Neither moves us; a quorum does."""

@@ -212,13 +212,7 @@ class SwarmView:
         holders: dict[tuple[int, str], set[str]] = {}
         for h in others:
             holders.setdefault((h.version, h.state_hash), set()).add(h.peer_id)
-        # To a joiner (we are at the genesis state, version 0) the other joiners vouch for
-        # nothing: a swarm whose only advanced peer is its founder is followed by its joiners,
-        # as a swarm of two is. A peer with a history of its own counts every live peer: else
-        # the founder at v1, its joiners still at v0, follows a lone hijacker's v51.
-        counted = [h for h in others if h.version > 0] if self.version == 0 else list(others)
-        advanced = {h.peer_id for h in counted} | (self.departed - {self.me})
-        quorum = max(1, min(ENDORSE_QUORUM, len(advanced)))
+        quorum = self.quorum()
 
         def vouched(version: int, state_hash: str) -> bool:
             if len(holders[(version, state_hash)]) >= quorum:
@@ -242,6 +236,31 @@ class SwarmView:
         return HeadChoice(
             top, want, donors, lost_fork=top == self.version, votes=votes, endorsed=endorsed
         )
+
+    def quorum(self) -> int:
+        """Distinct live peers that vouch for a state (`ENDORSE_QUORUM`, or all of them when
+        fewer are live). To a joiner (we are at the genesis state, version 0) the other joiners
+        vouch for nothing: a swarm whose only advanced peer is its founder is followed by its
+        joiners, as a swarm of two is. A peer with a history of its own counts every live peer:
+        else the founder at v1, its joiners still at v0, follows a lone hijacker's v51."""
+        others = self.others().values()
+        counted = [h for h in others if h.version > 0] if self.version == 0 else list(others)
+        advanced = {h.peer_id for h in counted} | (self.departed - {self.me})
+        return max(1, min(ENDORSE_QUORUM, len(advanced)))
+
+    def moved_past(self, base_version: int, result_hash: str) -> list[tuple[int, str]]:
+        """The states above `base_version` that live peers moved to while our group averaged on
+        it (an asynchronous lone commit; a group that committed before our claim check could
+        see it), highest first: each held by a quorum of live peers (`quorum`: one key's head
+        moves nobody), our group's own result (`result_hash` at `base_version + 1`) left out.
+        A group that commits on `base_version` after any of them forks the state."""
+        ours = (base_version + 1, result_hash)
+        holders: dict[tuple[int, str], set[str]] = {}
+        for h in self.others().values():
+            if h.version > base_version and (h.version, h.state_hash) != ours:
+                holders.setdefault((h.version, h.state_hash), set()).add(h.peer_id)
+        quorum = self.quorum()
+        return sorted((vs for vs, peers in holders.items() if len(peers) >= quorum), reverse=True)
 
     def expected_soon(self, now: float, grace_s: float) -> list[str]:
         """Async: the peers worth waiting for (DHT time `now`): in a group search at our state,

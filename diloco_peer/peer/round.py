@@ -156,6 +156,8 @@ class Round:
         self._waited_again = False
         self._gave_way: set[Statement] = set()
         """Claims we gave a version up to: the second time, only if a live head shows them."""
+        self._passed_by: set[tuple[int, str]] = set()
+        """States above our base we gave a version up to: the second time, we commit."""
 
     @property
     def asynchronous(self) -> bool:
@@ -311,6 +313,10 @@ class Round:
             headers = self.guard.signed_headers(members)
             shards = mine.shard_samples if group_shards is None else group_shards
             record = self.replica.prepare(result.average, members, shards, headers)
+        passed = self._moved_past(record) if result is not None else None
+        if passed is not None:  # a lone commit or another group moved the swarm off our base
+            self.replica.restore()
+            return self.keep(mine, f"the swarm moved past our base to v{passed}", t0)
         self.certifier.seal(record)
         rivals = self._rivals(record) if result is not None else []
         if rivals:  # another group committed on our base first: one version, one group
@@ -353,6 +359,16 @@ class Round:
         self._gave_way = set(rivals) | {r for r in self._gave_way
                                         if r.base_version >= record.base_version}  # fmt: skip
         return rivals
+
+    def _moved_past(self, record: UpdateRecord) -> int | None:
+        """The version live peers moved to past our group's base (`SwarmView.moved_past`), which
+        our group gives its version up to, as to a claim. A state given way to once is passed
+        over the second time while we are still at that base: a quorum of keys that serve no
+        such state (catch-up found none) costs our group one round, not its base."""
+        moved = self.heads.view().moved_past(record.base_version, record.result_hash)
+        fresh = [vs for vs in moved if vs not in self._passed_by]
+        self._passed_by = set(moved) | {vs for vs in self._passed_by if vs[0] > record.base_version}
+        return fresh[0][0] if fresh else None
 
     def replayed(
         self,
