@@ -140,8 +140,10 @@ class CatchUp:
         donors = list(choice.donors)
         random.Random(f"{self.me}/{choice.version}").shuffle(donors)
         state, t0 = self.replica.state, time.time()
-        old_version, old_hash, lost_fork = state.version, state.hash(), choice.lost_fork
+        old_version, lost_fork = state.version, choice.lost_fork
         missed = choice.version - old_version
+        probe_fork = probe_fork and 0 < missed <= self.keep_updates  # the donors' logs hold it
+        old_hash = state.hash() if probe_fork else ""  # hashing the state is not free
         horizon = self.replay_window()
         moved: tuple[str, str, int] | None = None  # method, donor, bytes
         told = False  # a replay told whether our branch lost
@@ -162,7 +164,7 @@ class CatchUp:
         if moved is None:
             return None
         probed = 0
-        if probe_fork and not told and 0 < missed <= self.keep_updates:
+        if probe_fork and not told:
             forked, probed = self._forked(donors, old_version, old_hash)
             lost_fork = lost_fork or forked
         self.replica.snapshot()
