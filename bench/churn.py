@@ -410,6 +410,11 @@ def report(churn: Churn, finished: bool, settings: Any, wall_s: float, left: lis
         "longest_gap_s": round(longest, 1), "gap_bound_s": round(bound, 1),
         # between the first and the last version's first commit
         "versions_per_min": round(60 * len(gaps) / sum(gaps), 3) if sum(gaps) > 0 else None,
+        # the δs the versions after the first hold, per minute of the same span: a version one
+        # peer committed alone counts 1, one of every peer counts them all
+        "deltas_per_min": round(60 * sum(n for v, n in members.items() if v > min(members))
+                                / sum(gaps), 2) if sum(gaps) > 0 else None,  # fmt: skip
+        "phase_compute_s": round(phase_s, 1),
         "forks": forks,
         "group_size": churn.args.group_size or settings.group_size,
         "members_per_version": {str(v): n for v, n in sorted(members.items())},
@@ -436,7 +441,7 @@ def markdown(doc: dict[str, Any]) -> str:
     a = doc["active_s"]
     heal = doc["partition"]
     rows = [
-        ("versions committed; per minute", f"{doc['versions_committed']}; {doc.get('versions_per_min')}"),
+        ("versions committed; per minute; δs per minute", f"{doc['versions_committed']}; {doc.get('versions_per_min')}; {doc.get('deltas_per_min')}"),
         ("crashes (how/trigger)", f"{doc['crashes']}: " + ", ".join(f"{k} {v}" for k, v in doc["crashes_by"].items())),
         ("restarts that rejoined", f"{doc['rejoined']}/{doc['restarts']}"),
         ("seconds from restart to rejoined (start event): median / worst",

@@ -55,7 +55,8 @@ def render(doc: dict[str, Any]) -> str:
         "(H 50 at 1 s per step for the fastest device, slight heterogeneity, 80 MB θ, int8, "
         "100 Mbit links, DHT delay 1 s). *applied*: finished phases whose δ is in the final head's "
         "chain, over those applied, dropped as stale or lost with a crashed peer. *rival*: "
-        "groups that gave their version up to another group's seal. Bytes per peer per version "
+        "groups that gave their version up to another group's claim or to a state live peers "
+        "moved to past their base (a lone commit others followed). Bytes per peer per version "
         "in θ's fp32 size.",
         "",
         "| peers | protocol | hierarchy | group | seed | versions/h | applied | dropped | lost "
@@ -70,7 +71,8 @@ def render(doc: dict[str, Any]) -> str:
             f"| {c['peers']} | {c['protocol']} | {c['hierarchy']} | {c['group_size']} "
             f"| {c['seed']} | {r['versions_per_hour']:.1f} | {_f(r['applied_fraction'], 3)} "
             f"| {ph['dropped_stale']} | {ph['lost']} | {r['forks']} "
-            f"| {r['groups']['gave_up_to_a_rival']} | {r['groups']['failed']} "
+            f"| {r['groups']['gave_up_to_a_rival'] + r['groups'].get('gave_up_moved_past', 0)} "
+            f"| {r['groups']['failed']} "
             f"| {_f(b['received_models'])} | {_f(b['sent_models'])} "
             f"| {_f(w['mean'], 1)} / {_f(w['p90'], 1)} | {_f(r['utilization'], 3)} "
             f"| {r['wall_s']:.0f} |"

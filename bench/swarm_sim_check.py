@@ -109,7 +109,8 @@ def digest(logs: list[list[dict[str, Any]]], wall: float) -> dict[str, Any]:
                 dropped += 1
             elif ev.get("event") == "round_failed":
                 failed += 1
-                rivals += "committed this version first" in str(ev.get("reason"))
+                reason = str(ev.get("reason"))  # a rival's claim, or heads past our base
+                rivals += "committed this version first" in reason or "moved past" in reason
                 why = str(ev.get("reason"))[:60]
                 reasons[why] = reasons.get(why, 0) + 1
     versions = sorted(first)
@@ -166,7 +167,7 @@ def predict(a: argparse.Namespace, group_size: int, real: dict[str, Any], overhe
         "deltas_per_min": doc["versions_per_hour_steady"] / 60 * doc["group_size"]["mean"],
         "mean_group_size": doc["group_size"]["mean"],
         "rival_groups": doc["groups"]["gave_up_to_a_rival"], "forks": doc["forks"],
-        "rival_rounds": doc["kept"].get("rival", 0),
+        "rival_rounds": doc["kept"].get("rival", 0) + doc["kept"].get("moved past", 0),
         "applied_fraction": doc["applied_fraction"], "versions": rounds,
     }  # fmt: skip
 

@@ -11,7 +11,7 @@ import pytest
 
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.errors import ConfigError
-from diloco_peer.swarm_sim.engine import SwarmSim, peer_name, simulate_swarm
+from diloco_peer.swarm_sim.engine import Delta, SwarmSim, peer_name, simulate_swarm
 from diloco_peer.swarm_sim.hierarchy import delegate
 from diloco_peer.swarm_sim.spec import SwarmSimSpec
 from diloco_peer.swarm_sim.swarm import GENESIS, Dht, History
@@ -29,7 +29,8 @@ def test_one_group_rounds_take_a_phase_plus_the_all_reduce_exactly() -> None:
     # overhead and two latencies
     allreduce_s = 2 * 20e6 * 3 / 4 / 12.5e6 + 1.0 + 2 * 0.05
     assert doc["versions"] == math.floor(1800 / (50 + allreduce_s))
-    assert doc["forks"] == 0 and doc["groups"] == {"failed": 0, "gave_up_to_a_rival": 0}
+    assert doc["forks"] == 0
+    assert doc["groups"] == {"failed": 0, "gave_up_to_a_rival": 0, "gave_up_moved_past": 0}
     assert doc["applied_fraction"] == 1.0
     assert doc["phases"]["applied"] == 4 * doc["versions"]
     assert doc["group_size"] == {"mean": 4.0, "max": 4}
@@ -79,8 +80,10 @@ def test_more_peers_than_one_group_chain_one_group_per_version_and_waste_phases(
     """Today's protocol (issue 19's measurement): several groups per base, one wins, the others
     give up (or fork) and contribute their δ again a round late."""
     doc = simulate_swarm(SwarmSimSpec(peers=16, group_size=4, hours=0.5, **EXACT))
-    assert doc["groups"]["gave_up_to_a_rival"] > 0
-    assert doc["kept"]["rival"] >= 2 * doc["groups"]["gave_up_to_a_rival"]
+    # the winners' heads and seals are read together: the swarm moved past the losers' base
+    gave_up = doc["groups"]["gave_up_to_a_rival"] + doc["groups"]["gave_up_moved_past"]
+    assert gave_up > 0
+    assert doc["kept"].get("rival", 0) + doc["kept"]["moved past"] >= 2 * gave_up
     assert doc["phases"]["dropped_stale"] > 0
     assert doc["applied_fraction"] < 0.95
     assert doc["group_size"]["max"] == 4
@@ -92,6 +95,7 @@ def test_two_stage_combines_every_group_into_one_version() -> None:
         SwarmSimSpec(peers=16, group_size=4, hierarchy="two-stage", hours=0.5, **EXACT)
     )
     assert two["forks"] == 0 and two["groups"]["gave_up_to_a_rival"] == 0
+    assert two["groups"]["gave_up_moved_past"] == 0
     assert two["applied_fraction"] == 1.0 and two["phases"]["dropped_stale"] == 0
     assert two["group_size"]["max"] == 16  # every member of the four groups in each version
     assert two["versions"] >= 0.8 * flat["versions"]
@@ -140,14 +144,15 @@ def test_async_dylu_peers_finish_together_and_group() -> None:
 
 def test_history_counts_a_second_commit_on_one_base_as_a_fork() -> None:
     h = History()
-    a = h.commit(GENESIS, ("A",), (1,), now=10.0)
+    a = h.commit(GENESIS, ("A", "C"), (1, 4), now=10.0)
     assert not h.rival(GENESIS, now=10.5, dht_delay=1.0)  # the seal is not readable yet
     assert h.rival(GENESIS, now=11.0, dht_delay=1.0)
     b = h.commit(GENESIS, ("B",), (2,), now=10.5)
     c = h.commit(a, ("A",), (3,), now=20.0)
     assert h.forks == 1 and a != b
+    assert not h.rival(a, now=30.0, dht_delay=1.0)  # a lone commit is one key's word, no claim
     assert h.descends(c, a) and h.descends(c, GENESIS) and not h.descends(c, b)
-    assert [v.phases for v in h.chain(c)] == [(1,), (3,)]
+    assert [v.phases for v in h.chain(c)] == [(1, 4), (3,)]
 
 
 def test_dht_heads_arrive_late_and_a_crashed_peers_head_outlives_it_by_the_ttl() -> None:
@@ -199,5 +204,56 @@ def test_jittered_phases_make_a_sync_round_wait_for_its_slowest_peer_or_split() 
     of 16 every round without jitter, smaller groups and rival give-ups with it."""
     exact = simulate_swarm(SwarmSimSpec(peers=16, group_size=16, hours=0.5, **EXACT))
     jittered = simulate_swarm(SwarmSimSpec(peers=16, group_size=16, hours=0.5, jitter=0.05))
-    assert exact["group_size"]["mean"] == 16 and exact["groups"]["gave_up_to_a_rival"] == 0
-    assert jittered["group_size"]["mean"] < 16 and jittered["groups"]["gave_up_to_a_rival"] > 0
+    gave_up = {k: d["groups"]["gave_up_to_a_rival"] + d["groups"]["gave_up_moved_past"]
+               for k, d in (("exact", exact), ("jittered", jittered))}  # fmt: skip
+    assert exact["group_size"]["mean"] == 16 and gave_up["exact"] == 0
+    assert jittered["group_size"]["mean"] < 16 and gave_up["jittered"] > 0
+
+
+def _at(sim: SwarmSim, p, state: str) -> None:
+    """`p` holds `state`, and the others read it from now on."""
+    p.version, p.state = sim.history.states[state].version, state
+    sim.publish(p)
+
+
+def _swarm_at_v1() -> tuple[SwarmSim, list, str]:
+    """Six peers that all hold version 1 (past the genesis, where one key's head is followed)."""
+    sim = SwarmSim(SwarmSimSpec(peers=8, protocol="async", dht_delay_s=0.0))
+    peers = [sim.new_peer() for _ in range(6)]
+    base = sim.history.commit(GENESIS, tuple(p.id for p in peers), (0,), now=0.0)
+    for p in peers:
+        _at(sim, p, base)
+    return sim, peers, base
+
+
+def test_a_group_gives_its_version_up_to_a_lone_commit_a_quorum_followed_once() -> None:
+    """Round._moved_past in the simulator: a lone commit is no claim, but once a quorum of live
+    peers holds it, a group still on the old base keeps its δs instead of forking; the same
+    state a second time is passed over (a made-up head costs one round)."""
+    sim, peers, base = _swarm_at_v1()
+    lone = sim.history.commit(base, (peers[0].id,), (1,), now=0.0)
+    for p in peers[:4]:  # the lone committer and three peers that followed it
+        _at(sim, p, lone)
+    group = tuple(peers[4:])
+    for i, m in enumerate(group):
+        m.mine = Delta((10 + i,), 1)
+    sim.commit(group, base, rivals_matter=True)
+    assert sim.history.forks == 0 and sim.tally.moved_past_groups == 1
+    assert sim.tally.kept_why["moved past"] == 2 and all(m.state == base for m in group)
+    assert all(m.pending == Delta((10 + i,), 1) for i, m in enumerate(group))
+    for m in group:  # the next round, still at the old base: now it commits
+        m.mine, m.pending = m.pending, None
+    sim.commit(group, base, rivals_matter=True)
+    assert sim.history.forks == 1 and all(m.version == 2 and m.state != lone for m in group)
+
+
+def test_a_lone_commit_nobody_followed_does_not_stop_a_group() -> None:
+    sim, peers, base = _swarm_at_v1()
+    lone = sim.history.commit(base, (peers[0].id,), (1,), now=0.0)
+    _at(sim, peers[0], lone)  # one key's head moves nobody
+    group = tuple(peers[4:])
+    for i, m in enumerate(group):
+        m.mine = Delta((10 + i,), 1)
+    sim.commit(group, base, rivals_matter=True)
+    assert sim.tally.moved_past_groups == 0 and sim.tally.rival_groups == 0
+    assert all(m.version == 2 for m in group)

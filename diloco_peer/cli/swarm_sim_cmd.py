@@ -93,7 +93,8 @@ def summary(doc: dict[str, Any]) -> str:
     lines = [
         f"{doc['versions']} versions ({doc['versions_per_hour']:.1f}/h), forks {doc['forks']}, "
         f"groups failed {doc['groups']['failed']}, gave up to a rival "
-        f"{doc['groups']['gave_up_to_a_rival']}",
+        f"{doc['groups']['gave_up_to_a_rival']}, to a swarm that moved past its base "
+        f"{doc['groups']['gave_up_moved_past']}",
         f"phases finished {phases['finished']}: applied {phases['applied']}, dropped as stale "
         f"{phases['dropped_stale']}, lost {phases['lost']}, in flight at the end "
         f"{phases['in_flight_at_end']}; applied share "

@@ -4,8 +4,9 @@ time, deciding with the swarm's own rules.
 What is real: the rules. Catch-up follows `SwarmView.choose_head` (fork vote, quorum) and replays
 or downloads as `update_log.replays` says; a phase is `swarm_view.phase_steps` long (H, DyLU or a
 probe); a round waits as `swarm_view.group_plan` says (whom, how many, how long); a group that
-finds another group's seal on its base gives the version up (`Round.commit`); a δ is kept when
-its group fails, merged into the next one (`Ledger`), and dropped past the staleness limit.
+finds another group's claim on its base, or a quorum of live peers past it, gives the version up
+(`Round.commit`); a δ is kept when its group fails, merged into the next one (`Ledger`), and
+dropped past the staleness limit.
 
 What is modelled: hivemind's matchmaking (a peer joins the oldest group forming under its key
 with room, or leads a new one that closes when full or at its leader's deadline; the commit
@@ -72,6 +73,8 @@ class Peer:
     round_start: float = 0.0
     phase: tuple[int, int, float] | None = None
     """(phase id, base version, start) of the phase in training."""
+    passed_by: set[tuple[int, str]] = field(default_factory=set)
+    """States above its base its group gave a version up to (`Round._passed_by`)."""
 
 
 @dataclass
@@ -371,7 +374,12 @@ class SwarmSim:
         self.search_over(base)
 
     def commit(self, members: tuple[Peer, ...], base: str, *, rivals_matter: bool) -> None:
-        """Round.commit: apply, unless another group's seal on our base is already readable."""
+        """Round.commit: apply, unless live peers moved past our base or another group's claim
+        on it is already readable."""
+        if rivals_matter and self.moved_past(members, base):
+            for m in members:
+                self.keep(m, "moved past")
+            return
         if rivals_matter and self.rival(members, base):
             return
         state = self.seal(members, base)
@@ -385,6 +393,20 @@ class SwarmSim:
         self.tally.rival_groups += 1
         for m in members:
             self.keep(m, "rival")
+        return True
+
+    def moved_past(self, members: tuple[Peer, ...], base: str) -> bool:
+        """Round._moved_past: a quorum of live peers holds a state above our base (a lone commit
+        others followed); a state given way to once is passed over the second time. The
+        members' views are one here (one DHT), so the first member's decides for its group."""
+        version = self.history.states[base].version
+        moved = self.view(members[0]).moved_past(version, "")
+        fresh = [vs for vs in moved if vs not in members[0].passed_by]
+        for m in members:
+            m.passed_by = set(moved) | {vs for vs in m.passed_by if vs[0] > version}
+        if not fresh:
+            return False
+        self.tally.moved_past_groups += 1
         return True
 
     def seal(self, members: tuple[Peer, ...], base: str) -> str:

@@ -154,6 +154,10 @@ class Combiner:
         members = tuple(m for g in groups for m in g.members if m.alive)
         if not members:
             return
+        if sim.moved_past(members, base):
+            for g in groups:
+                self.give_up(g, "moved past")
+            return
         if sim.history.rival(base, sim.now, sim.spec.dht_delay_s):
             sim.tally.rival_groups += 1
             for g in groups:

@@ -76,8 +76,12 @@ class History:
         self.states.setdefault(GENESIS, Version(0, None, (), (), 0.0))
 
     def rival(self, base: str, now: float, dht_delay: float) -> bool:
-        """Another group's seal on `base` can be read at `now`."""
-        return any(t + dht_delay <= now for t, _ in self.seals.get(base, ()))
+        """Another group's claim on `base` can be read at `now`: a state two or more members
+        sealed (`certificate.rival_claims`; a lone commit is one key's word, no claim)."""
+        return any(
+            t + dht_delay <= now and len(self.states[state].members) >= 2
+            for t, state in self.seals.get(base, ())
+        )
 
     def commit(
         self, base: str, members: tuple[str, ...], phases: tuple[int, ...], now: float

@@ -31,6 +31,7 @@ class Tally:
     group_sizes: list[int] = field(default_factory=list)
     failed_groups: int = 0
     rival_groups: int = 0
+    moved_past_groups: int = 0
     lost_forks: int = 0
     crashes: int = 0
     lost_with_crash: set[int] = field(default_factory=set)
@@ -124,7 +125,11 @@ class Tally:
                 "mean": statistics.fmean(self.group_sizes) if self.group_sizes else None,
                 "max": max(self.group_sizes, default=0),
             },  # fmt: skip
-            "groups": {"failed": self.failed_groups, "gave_up_to_a_rival": self.rival_groups},
+            "groups": {
+                "failed": self.failed_groups,
+                "gave_up_to_a_rival": self.rival_groups,
+                "gave_up_moved_past": self.moved_past_groups,
+            },  # fmt: skip
             "kept": dict(self.kept_why),
             "catch_ups": dict(self.catch_ups),
             "peers": {
