@@ -337,7 +337,7 @@ def restarts_of(churn: Churn) -> list[dict[str, Any]]:
 
 def forks_of(logs: list[Path]) -> list[dict[str, Any]]:
     """Each version committed with two or more state hashes, and the versions until one hash
-    held again."""
+    held again (a later fork of its own does not count against this one's heal)."""
     hashes: dict[int, set[str]] = {}
     for log in logs:
         for e in read_log(log):
@@ -346,8 +346,7 @@ def forks_of(logs: list[Path]) -> list[dict[str, Any]]:
     forks = []
     for version in sorted(v for v, h in hashes.items() if len(h) > 1):
         later = [v for v in sorted(hashes) if v > version]
-        healed = next((v for v in later if len(hashes[v]) == 1
-                       and all(len(hashes[w]) == 1 for w in later if w >= v)), None)  # fmt: skip
+        healed = next((v for v in later if len(hashes[v]) == 1), None)
         forks.append({"version": version, "hashes": len(hashes[version]),
                       "rounds_to_heal": healed - version if healed else None})  # fmt: skip
     return forks

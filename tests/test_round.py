@@ -376,16 +376,37 @@ def test_async_waits_only_for_peers_expected_soon() -> None:
     assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.ALONE
 
 
-def test_async_without_a_group_retries_at_a_new_head_or_once_for_a_grouping_peer() -> None:
+def test_async_without_a_group_retries_at_a_new_head_or_while_a_peer_is_grouping() -> None:
     grouping = {OTHER: {"in_group": True, "speed": 1.0}}
-    moved = iter([True, False, False])
+    moved = iter([True, False, False, False])
     averager = FakeAverager(NoGroup("nobody came"))
-    part, replica, _, _ = make_round(averager, grouping, protocol="async",
-                                     catch_up=lambda: next(moved))  # fmt: skip
-    # 1: the head moved (catch-up) -> retry; 2: a peer at our state is grouping -> look once
-    # more; 3: still nobody -> apply alone
+    heads: list[FakeHeads] = []
+
+    def catch_up() -> bool:
+        if len(averager.calls) == 4:  # the other peer's group has ended
+            heads[0].others[OTHER]["in_group"] = False
+        return next(moved)
+
+    part, replica, fake, _ = make_round(averager, grouping, protocol="async", catch_up=catch_up)
+    heads.append(fake)
+    # 1: the head moved (catch-up) -> retry; 2, 3: a peer at our state is in a group -> look
+    # again; 4: nobody grouping any more -> apply alone
     outcome = part.run(delta(), loss=2.0, t0=0.0)
-    assert outcome.status is RoundStatus.ALONE and len(averager.calls) == 3
+    assert outcome.status is RoundStatus.ALONE and len(averager.calls) == 4
+
+
+def test_async_never_applies_its_delta_alone_beside_a_group_at_its_state() -> None:
+    """An out-of-phase peer that finds no group while others at its state average (their
+    heads say so) keeps looking, and keeps its δ when the retries run out: a lone commit
+    beside that group would fork the state (netlab, 16 peers: v3 and v6 of one run)."""
+    grouping = {OTHER: {"in_group": True, "speed": 1.0}}
+    averager = FakeAverager(NoGroup("nobody came"))
+    part, replica, _, events = make_round(averager, grouping, protocol="async")
+    mine = delta()
+    outcome = part.run(mine, loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.KEPT and "kept moving" in outcome.reason
+    assert len(averager.calls) == 2 + part.swarm.staleness_limit
+    assert replica.version == 0 and part.ledger.pending is mine
     # the grace period scales with the phase: H = 50 steps at the fastest speed, 2 steps/s,
     # is 25 s, and half of it (12.5 s) is longer than grace_s (2 s)
     assert part.swarm.grace_share == 0.5 and part.swarm.grace_s == 2.0

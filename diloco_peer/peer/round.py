@@ -153,7 +153,6 @@ class Round:
         self.stage_two = StageTwo()
         self.co_planners: list[str] = []
         """The other members of the group committed last: they plan their next phase with us."""
-        self._waited_again = False
         self._gave_way: set[Statement] = set()
         """Claims we gave a version up to: the second time, only if a live head shows them."""
         self._passed_by: set[tuple[int, str]] = set()
@@ -165,7 +164,6 @@ class Round:
 
     def run(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome:
         """Contribute `mine` until it is applied, kept or dropped (a few tries at most)."""
-        self._waited_again = False
         if not all(bool(torch.isfinite(t).all()) for t in mine.delta):
             # training diverged (or the state did): such a δ can be neither signed nor applied
             return self._drop(mine, loss, self.replica.version - mine.base_version, "not finite")
@@ -273,13 +271,15 @@ class Round:
             # that formed without a peer shows it is gone (a lone decision would fork).
             return self.keep(mine, "no group formed", t0)
         # Async: nobody came within the grace period. If the swarm moved on meanwhile, go to its
-        # head and try there. If a peer at our state says it is looking for a group too,
-        # matchmaking missed it: look once more instead of forking the state. Otherwise apply
-        # our δ alone (a group of one).
+        # head and try there. While a peer at our state says it is in a group (matchmaking
+        # missed it, or its group is averaging without us), look again rather than apply our δ
+        # alone beside a group that is about to commit on the same base: that forks the state
+        # (measured on netlab: an out-of-phase peer's lone commit seconds before or after a
+        # two-stage group's). Once the group commits, the catch-up moves us to its version and
+        # our δ goes there; the retry loop bounds the wait. Otherwise apply our δ alone.
         if self.catch_up():
             return RoundOutcome(RoundStatus.RETRY)
-        if not self._waited_again and self.heads.view().someone_grouping():
-            self._waited_again = True
+        if self.heads.view().someone_grouping():
             return RoundOutcome(RoundStatus.RETRY)
         return self.commit(mine, [self.me], None, loss, t0)
 

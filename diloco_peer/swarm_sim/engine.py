@@ -69,7 +69,6 @@ class Peer:
     last_own: tuple[str, Delta] | None = None
     """(the state our δ produced, the δ): contributed again if that state loses a fork."""
     tries: int = 0
-    waited_again: bool = False
     round_start: float = 0.0
     phase: tuple[int, int, float] | None = None
     """(phase id, base version, start) of the phase in training."""
@@ -246,7 +245,7 @@ class SwarmSim:
         self.tally.phase_finished(phase, self.now - started)
         p.speed, p.eta, p.phase = steps / (self.now - started), None, None
         p.mine, p.pending = Delta((phase,), base).merge(p.pending), None
-        p.tries, p.waited_again, p.round_start = 0, False, self.now
+        p.tries, p.round_start = 0, self.now
         self.catch_up(p, self.contribute)
 
     def contribute(self, p: Peer) -> None:
@@ -325,16 +324,15 @@ class SwarmSim:
                 self.combiner.settle(base)
 
     def no_group(self, p: Peer) -> None:
-        """Round._no_group: sync keeps the δ; async retries at the head, waits once more for a
-        peer that says it is grouping, or applies its δ alone."""
+        """Round._no_group: sync keeps the δ; async retries at the head, looks again while a peer
+        at its state says it is in a group (the tries bound it), or applies its δ alone."""
         if self.spec.protocol == "sync":
             self.keep(p, "no group")
             return
         view = self.view(p)
         if view.choose_head(replay_window=self.window) is not None:
             self.catch_up(p, self.contribute)
-        elif not p.waited_again and view.someone_grouping():
-            p.waited_again = True
+        elif view.someone_grouping():  # a group at our base: never commit alone beside it
             self.contribute(p)
         else:
             self.commit((p,), p.state, rivals_matter=False)
