@@ -444,3 +444,33 @@ def test_round_outcomes_are_values() -> None:
     assert not kept.applied and dataclasses.replace(kept, reason="x").reason == "x"
     with pytest.raises(dataclasses.FrozenInstanceError):
         kept.status = RoundStatus.RETRY  # type: ignore[misc]
+
+
+def test_a_round_says_it_is_in_a_group_until_it_ends_even_in_the_heartbeats_head() -> None:
+    """The heartbeat republishes the head every HEAD_TTL_S / 4 with no arguments: while a round
+    runs (a two-stage round outlasts that), that head must still say the peer is in a group,
+    and once its δ is kept or applied, no more."""
+    from diloco_peer.peer.faults import FaultPlan
+    from diloco_peer.peer.heads import Facts, HeadChannel
+
+    seen: list[bool] = []
+    part: Round | None = None
+
+    class Watching(FakeAverager):
+        def average(self, key: str, delta: list[torch.Tensor], **kwargs: Any) -> GroupResult:
+            assert part is not None
+            seen.append(channel.head().in_group)  # what a heartbeat now would publish
+            return super().average(key, delta, **kwargs)
+
+    grouping = {OTHER: {"in_group": True, "speed": 1.0}}
+    part, replica, _, _ = make_round(Watching(AllReduceFailed("a part never came")), grouping)
+    facts = Facts(speed=lambda: 1.0, batch_size=4, client_mode=lambda: False,
+                  bans=lambda: None, resources=lambda: {})  # fmt: skip
+    channel = HeadChannel(
+        lambda: None, ME, "run1", allow=lambda p: True, replica=replica, counters=Counters(),
+        activity=part.activity, facts=facts, faults=FaultPlan(),
+    )  # fmt: skip
+    assert channel.head().in_group is False
+    outcome = part.run(delta(), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.KEPT
+    assert seen == [True] and channel.head().in_group is False

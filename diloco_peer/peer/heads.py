@@ -39,10 +39,16 @@ class Activity:
     wait only for peers expected within the grace period)."""
     plan: dict[str, int] | None = None
     """Samples per shard the current phase trains (published with `eta`)."""
+    grouping: bool = False
+    """In a round: from the announced group search until its δ is applied, kept or dropped.
+    Every head says so, the heartbeat's too (a two-stage round outlasts a heartbeat period, and
+    an async peer at our state must not apply its δ alone beside it)."""
 
     def idle(self) -> None:
-        """The phase's samples are in the state now (or will never be): no longer in flight."""
+        """The phase's samples are in the state now (or will never be): no longer in flight,
+        and no longer in a round."""
         self.eta = None
+        self.grouping = False
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,7 @@ class HeadChannel:
             speed=speed,
             samples_per_s=speed * self._facts.batch_size,
             loss=self._counters.last_loss,
-            in_group=in_group,
+            in_group=in_group or self._activity.grouping,
             eta=eta,
             plan=plan if eta is not None else None,
             bans=self._facts.bans(),

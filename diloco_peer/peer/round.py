@@ -244,6 +244,7 @@ class Round:
             expected=expected,
         )  # fmt: skip
         if announce:
+            self.activity.grouping = True  # until the round ends (Activity.idle)
             self.heads.publish(in_group=True)
         # the envelope's weight is ignored: the admission (Guard.admit) derives every member's
         # weight from its signed header, the same on every member
