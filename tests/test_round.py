@@ -446,6 +446,26 @@ def test_round_outcomes_are_values() -> None:
         kept.status = RoundStatus.RETRY  # type: ignore[misc]
 
 
+def test_a_peer_that_says_it_is_grouping_for_a_whole_round_is_not_waited_for_again() -> None:
+    """A head that says "in a group" and never commits (stale, or a hostile peer's) costs one
+    round: the δ is kept, and the next round at the same state applies it alone; a peer that
+    starts grouping afterwards is waited for again."""
+    grouping = {OTHER: {"in_group": True, "speed": 1.0}}
+    averager = FakeAverager(NoGroup("nobody came"))
+    part, replica, fake, _ = make_round(averager, grouping, protocol="async")
+    mine = delta()
+    assert part.run(mine, loss=2.0, t0=0.0).status is RoundStatus.KEPT
+    tries = len(averager.calls)
+    outcome = part.run(part.ledger.take(delta()), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.ALONE and len(averager.calls) == tries + 1
+    assert outcome.report is not None and outcome.report.steps == 2 * mine.steps
+    fake.others["PeerNew"] = {"in_group": True, "speed": 1.0}
+    # at v1 (the lone commit) both say they are grouping there: v0's outwaited peers do not
+    # carry over, so the round waits for them again
+    outcome = part.run(delta(1), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.KEPT and replica.version == 1
+
+
 def test_a_round_says_it_is_in_a_group_until_it_ends_even_in_the_heartbeats_head() -> None:
     """The heartbeat republishes the head every HEAD_TTL_S / 4 with no arguments: while a round
     runs (a two-stage round outlasts that), that head must still say the peer is in a group,

@@ -278,10 +278,14 @@ class SwarmView:
 
     def someone_grouping(self) -> bool:
         """Another live peer at our version and state has announced it is in a group search."""
-        return any(
-            h.in_group and h.version == self.version and h.state_hash == self.state_hash
-            for h in self.others().values()
-        )
+        return bool(self.grouping())
+
+    def grouping(self) -> frozenset[str]:
+        """The other live peers at our version and state whose heads say they are in a group."""
+        return frozenset(
+            p for p, h in self.others().items()
+            if h.in_group and h.version == self.version and h.state_hash == self.state_hash
+        )  # fmt: skip
 
     def still_working(self) -> bool:
         """Another live peer at our version or below is training a phase or in a group (a

@@ -157,6 +157,9 @@ class Round:
         """Claims we gave a version up to: the second time, only if a live head shows them."""
         self._passed_by: set[tuple[int, str]] = set()
         """States above our base we gave a version up to: the second time, we commit."""
+        self._outwaited: tuple[int, str, frozenset[str]] = (-1, "", frozenset())
+        """(version, state, peers) that said they were in a group at our state for a whole
+        round of ours that found none: the next round at that state does not wait for them."""
 
     @property
     def asynchronous(self) -> bool:
@@ -171,6 +174,8 @@ class Round:
             outcome = self.contribute(mine, loss, t0)
             if outcome.status is not RoundStatus.RETRY:
                 return outcome
+        here = (self.replica.version, self.replica.published_hash)
+        self._outwaited = (*here, self.heads.view().grouping())
         return self.keep(mine, "the swarm kept moving while we looked for a group", t0)
 
     def contribute(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome:
@@ -277,10 +282,16 @@ class Round:
         # alone beside a group that is about to commit on the same base: that forks the state
         # (measured on netlab: an out-of-phase peer's lone commit seconds before or after a
         # two-stage group's). Once the group commits, the catch-up moves us to its version and
-        # our δ goes there; the retry loop bounds the wait. Otherwise apply our δ alone.
+        # our δ goes there; the retry loop bounds the wait. Peers that said so for a whole
+        # round of ours (a stale or made-up head) are not waited for again: that costs one
+        # round, never our δ. Otherwise apply our δ alone.
         if self.catch_up():
             return RoundOutcome(RoundStatus.RETRY)
-        if self.heads.view().someone_grouping():
+        grouping = self.heads.view().grouping()
+        version, state_hash, outwaited = self._outwaited
+        if (version, state_hash) == (self.replica.version, self.replica.published_hash):
+            grouping -= outwaited
+        if grouping:
             return RoundOutcome(RoundStatus.RETRY)
         return self.commit(mine, [self.me], None, loss, t0)
 
