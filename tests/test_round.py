@@ -368,6 +368,20 @@ def test_a_group_whose_base_the_swarm_moved_past_gives_its_version_up_once(
     assert outcome.status is RoundStatus.COMMITTED and replica.version == 1
 
 
+def test_a_group_commits_beside_a_smaller_groups_version_at_its_own() -> None:
+    """Two peers moved to v1 while our group of 3 averaged on v0: our v1 forks with theirs, a
+    fork our branch wins (more peers hold it), so our group commits (SwarmView.moved_past)."""
+    members = [ME.peer_id_str, OTHER, "PeerEee"]
+    others: dict[str, dict[str, Any]] = {p: {} for p in (OTHER, "PeerEee", "PeerCee", "PeerDee")}
+    part, replica, heads, _ = make_round(FakeAverager(result(members)), others)
+    moved = {p: PeerHead(peer_id=p, version=1, state_hash="c" * 64)
+             for p in ("PeerCee", "PeerDee")}  # fmt: skip
+    averager = MovingOn(heads, moved, result(members))
+    part.averager = lambda: averager  # type: ignore[method-assign]
+    outcome = part.run(delta(), loss=2.0, t0=0.0)
+    assert outcome.status is RoundStatus.COMMITTED and replica.version == 1
+
+
 def test_async_waits_only_for_peers_expected_soon() -> None:
     # the other peer trains a long phase: nobody to wait for, the δ is applied at once
     busy = {OTHER: {"speed": 1.0, "eta": 1e12}}

@@ -257,3 +257,20 @@ def test_a_lone_commit_nobody_followed_does_not_stop_a_group() -> None:
     sim.commit(group, base, rivals_matter=True)
     assert sim.tally.moved_past_groups == 0 and sim.tally.rival_groups == 0
     assert all(m.version == 2 for m in group)
+
+
+def test_a_larger_group_commits_beside_a_smaller_ones_version_and_wins_the_fork() -> None:
+    """SwarmView.moved_past's size rule in the simulator: a lone commit and one follower (2
+    peers) at v2 do not stop a group of 4 on v1; the fork it makes is one the 4 win."""
+    sim, peers, base = _swarm_at_v1()
+    lone = sim.history.commit(base, (peers[0].id,), (1,), now=0.0)
+    for p in peers[:2]:
+        _at(sim, p, lone)
+    group = tuple(peers[2:])
+    for i, m in enumerate(group):
+        m.mine = Delta((10 + i,), 1)
+    sim.commit(group, base, rivals_matter=True)
+    assert sim.tally.moved_past_groups == 0 and sim.history.forks == 1
+    assert all(m.version == 2 and m.state != lone for m in group)
+    choice = sim.view(peers[0]).choose_head()
+    assert choice is not None and choice.lost_fork  # the pair's branch lost the vote

@@ -205,6 +205,20 @@ def test_a_group_sees_the_states_a_quorum_moved_to_past_its_base_but_its_own() -
     assert at_base.moved_past(3, mine) == []
 
 
+def test_a_group_gives_way_at_its_own_version_only_to_at_least_as_many_peers() -> None:
+    """A pair committed v4 while our group of 4 averaged on v3: our v4 forks with theirs, and
+    the fork vote keeps the branch more peers hold, ours, so our group commits and the pair
+    contributes again. A state two versions past our base wins any vote: we give way to it."""
+    mine = "9" * 64
+    pair = view(head(A, 4, H1), head(B, 4, H1), head(C, 3), head(D, 3), version=3)
+    assert pair.moved_past(3, mine, members=4) == []
+    assert pair.moved_past(3, mine, members=2) == [(4, H1)]  # as many as we are: give way
+    four = view(*(head(p, 4, H1) for p in (A, B, C, D)), version=3)
+    assert four.moved_past(3, mine, members=4) == [(4, H1)]
+    ahead = view(head(A, 5, H1), head(B, 5, H1), head(C, 3), version=3)
+    assert ahead.moved_past(3, mine, members=4) == [(5, H1)]
+
+
 def test_one_keys_head_is_never_downloaded_whole() -> None:
     """The hijack of issue 16: one head far ahead (a forged state at v+1000) against honest heads;
     or one head with another hash at our own version. Neither moves us; a quorum does."""

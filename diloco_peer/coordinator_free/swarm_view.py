@@ -248,19 +248,31 @@ class SwarmView:
         advanced = {h.peer_id for h in counted} | (self.departed - {self.me})
         return max(1, min(ENDORSE_QUORUM, len(advanced)))
 
-    def moved_past(self, base_version: int, result_hash: str) -> list[tuple[int, str]]:
-        """The states above `base_version` that live peers moved to while our group averaged on
-        it (an asynchronous lone commit; a group that committed before our claim check could
-        see it), highest first: each held by a quorum of live peers (`quorum`: one key's head
-        moves nobody), our group's own result (`result_hash` at `base_version + 1`) left out.
-        A group that commits on `base_version` after any of them forks the state."""
+    def moved_past(
+        self, base_version: int, result_hash: str, members: int = 1
+    ) -> list[tuple[int, str]]:
+        """The states above `base_version` that live peers moved to while our group of `members`
+        averaged on it (an asynchronous lone commit; a group that committed before our claim
+        check could see it), highest first: each held by a quorum of live peers (`quorum`: one
+        key's head moves nobody), our group's own result (`result_hash` at `base_version + 1`)
+        left out. A group that commits on `base_version` after any of them forks the state.
+
+        A state at `base_version + 1` counts only when at least `members` peers hold it: else
+        the fork our commit makes is one our group wins (the fork vote counts the peers on each
+        branch, `choose_head`), and the fewer peers on the other branch contribute their δs
+        again (`Ledger.recontribute`), where giving way would cost all of ours a round."""
         ours = (base_version + 1, result_hash)
         holders: dict[tuple[int, str], set[str]] = {}
         for h in self.others().values():
             if h.version > base_version and (h.version, h.state_hash) != ours:
                 holders.setdefault((h.version, h.state_hash), set()).add(h.peer_id)
         quorum = self.quorum()
-        return sorted((vs for vs, peers in holders.items() if len(peers) >= quorum), reverse=True)
+
+        def gives_way(vs: tuple[int, str]) -> bool:
+            need = max(quorum, members) if vs[0] == base_version + 1 else quorum
+            return len(holders[vs]) >= need
+
+        return sorted(filter(gives_way, holders), reverse=True)
 
     def expected_soon(self, now: float, grace_s: float) -> list[str]:
         """Async: the peers worth waiting for (DHT time `now`): in a group search at our state,

@@ -376,8 +376,10 @@ class Round:
         """The version live peers moved to past our group's base (`SwarmView.moved_past`), which
         our group gives its version up to, as to a claim. A state given way to once is passed
         over the second time while we are still at that base: a quorum of keys that serve no
-        such state (catch-up found none) costs our group one round, not its base."""
-        moved = self.heads.view().moved_past(record.base_version, record.result_hash)
+        such state (catch-up found none) costs our group one round, not its base. At our own
+        version only a state at least as many peers hold as our update has members counts."""
+        members = len(str(record.info.get("members", "")).split(","))
+        moved = self.heads.view().moved_past(record.base_version, record.result_hash, members)
         fresh = [vs for vs in moved if vs not in self._passed_by]
         self._passed_by = set(moved) | {vs for vs in self._passed_by if vs[0] > record.base_version}
         return fresh[0][0] if fresh else None

@@ -398,7 +398,7 @@ class SwarmSim:
         others followed); a state given way to once is passed over the second time. The
         members' views are one here (one DHT), so the first member's decides for its group."""
         version = self.history.states[base].version
-        moved = self.view(members[0]).moved_past(version, "")
+        moved = self.view(members[0]).moved_past(version, "", len(members))
         fresh = [vs for vs in moved if vs not in members[0].passed_by]
         for m in members:
             m.passed_by = set(moved) | {vs for vs in m.passed_by if vs[0] > version}
