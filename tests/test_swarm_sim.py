@@ -226,17 +226,25 @@ def _swarm_at_v1() -> tuple[SwarmSim, list, str]:
     return sim, peers, base
 
 
+def _lone_commit_beside_a_group(holders: int, first_member: int) -> tuple:
+    """`_swarm_at_v1`, then peers[0] commits v2 alone and `holders` peers (itself first) hold
+    it; the group `peers[first_member:]` holds δs of its own, still at v1."""
+    sim, peers, base = _swarm_at_v1()
+    lone = sim.history.commit(base, (peers[0].id,), (1,), now=0.0)
+    for p in peers[:holders]:
+        _at(sim, p, lone)
+    group = tuple(peers[first_member:])
+    for i, m in enumerate(group):
+        m.mine = Delta((10 + i,), 1)
+    return sim, peers, base, lone, group
+
+
 def test_a_group_gives_its_version_up_to_a_lone_commit_a_quorum_followed_once() -> None:
     """Round._moved_past in the simulator: a lone commit is no claim, but once a quorum of live
     peers holds it, a group still on the old base keeps its δs instead of forking; the same
     state a second time is passed over (a made-up head costs one round)."""
-    sim, peers, base = _swarm_at_v1()
-    lone = sim.history.commit(base, (peers[0].id,), (1,), now=0.0)
-    for p in peers[:4]:  # the lone committer and three peers that followed it
-        _at(sim, p, lone)
-    group = tuple(peers[4:])
-    for i, m in enumerate(group):
-        m.mine = Delta((10 + i,), 1)
+    # the lone committer and three peers that followed it
+    sim, peers, base, lone, group = _lone_commit_beside_a_group(holders=4, first_member=4)
     sim.commit(group, base, rivals_matter=True)
     assert sim.history.forks == 0 and sim.tally.moved_past_groups == 1
     assert sim.tally.kept_why["moved past"] == 2 and all(m.state == base for m in group)
@@ -248,12 +256,8 @@ def test_a_group_gives_its_version_up_to_a_lone_commit_a_quorum_followed_once() 
 
 
 def test_a_lone_commit_nobody_followed_does_not_stop_a_group() -> None:
-    sim, peers, base = _swarm_at_v1()
-    lone = sim.history.commit(base, (peers[0].id,), (1,), now=0.0)
-    _at(sim, peers[0], lone)  # one key's head moves nobody
-    group = tuple(peers[4:])
-    for i, m in enumerate(group):
-        m.mine = Delta((10 + i,), 1)
+    # one key's head moves nobody
+    sim, peers, base, lone, group = _lone_commit_beside_a_group(holders=1, first_member=4)
     sim.commit(group, base, rivals_matter=True)
     assert sim.tally.moved_past_groups == 0 and sim.tally.rival_groups == 0
     assert all(m.version == 2 for m in group)
@@ -262,13 +266,7 @@ def test_a_lone_commit_nobody_followed_does_not_stop_a_group() -> None:
 def test_a_larger_group_commits_beside_a_smaller_ones_version_and_wins_the_fork() -> None:
     """SwarmView.moved_past's size rule in the simulator: a lone commit and one follower (2
     peers) at v2 do not stop a group of 4 on v1; the fork it makes is one the 4 win."""
-    sim, peers, base = _swarm_at_v1()
-    lone = sim.history.commit(base, (peers[0].id,), (1,), now=0.0)
-    for p in peers[:2]:
-        _at(sim, p, lone)
-    group = tuple(peers[2:])
-    for i, m in enumerate(group):
-        m.mine = Delta((10 + i,), 1)
+    sim, peers, base, lone, group = _lone_commit_beside_a_group(holders=2, first_member=2)
     sim.commit(group, base, rivals_matter=True)
     assert sim.tally.moved_past_groups == 0 and sim.history.forks == 1
     assert all(m.version == 2 and m.state != lone for m in group)

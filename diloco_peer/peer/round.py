@@ -325,7 +325,7 @@ class Round:
             headers = self.guard.signed_headers(members)
             shards = mine.shard_samples if group_shards is None else group_shards
             record = self.replica.prepare(result.average, members, shards, headers)
-        passed = self._moved_past(record) if result is not None else None
+        passed = self._moved_past(record, len(members)) if result is not None else None
         if passed is not None:  # a lone commit or another group moved the swarm off our base
             self.replica.restore()
             return self.keep(mine, f"the swarm moved past our base to v{passed}", t0)
@@ -372,13 +372,12 @@ class Round:
                                         if r.base_version >= record.base_version}  # fmt: skip
         return rivals
 
-    def _moved_past(self, record: UpdateRecord) -> int | None:
+    def _moved_past(self, record: UpdateRecord, members: int) -> int | None:
         """The version live peers moved to past our group's base (`SwarmView.moved_past`), which
         our group gives its version up to, as to a claim. A state given way to once is passed
         over the second time while we are still at that base: a quorum of keys that serve no
         such state (catch-up found none) costs our group one round, not its base. At our own
-        version only a state at least as many peers hold as our update has members counts."""
-        members = len(str(record.info.get("members", "")).split(","))
+        version only a state at least as many peers hold as our update's `members` counts."""
         moved = self.heads.view().moved_past(record.base_version, record.result_hash, members)
         fresh = [vs for vs in moved if vs not in self._passed_by]
         self._passed_by = set(moved) | {vs for vs in self._passed_by if vs[0] > record.base_version}
