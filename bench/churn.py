@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -419,6 +420,9 @@ def report(churn: Churn, finished: bool, settings: Any, wall_s: float, left: lis
         "members_per_version": {str(v): n for v, n in sorted(members.items())},
         "rounds_applied": applied, "rounds_kept": kept,
         "dropped": sum(e["event"] == "dropped" for e in events),
+        # lone commits beside live peers, and why (`Round._alone`): where async forks start
+        "alone": sorted((e["version"], e["reason"]) for e in events if e["event"] == "alone"),
+        "kept_why": dict(Counter(e["reason"] for e in events if e["event"] == "round_failed")),
         "final": {str(p): v for p, v in sorted(last.items())},
         "final_hashes_agree": len({h for _, h in last.values()}) == 1 and len(last) > 0,
         "partition": heal,

@@ -385,9 +385,12 @@ def test_a_group_commits_beside_a_smaller_groups_version_at_its_own() -> None:
 def test_async_waits_only_for_peers_expected_soon() -> None:
     # the other peer trains a long phase: nobody to wait for, the δ is applied at once
     busy = {OTHER: {"speed": 1.0, "eta": 1e12}}
-    part, replica, _, _ = make_round(FakeAverager(AssertionError("not asked")), busy,
-                                     protocol="async")  # fmt: skip
+    part, replica, _, events = make_round(FakeAverager(AssertionError("not asked")), busy,
+                                          protocol="async")  # fmt: skip
     assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.ALONE
+    # a lone commit beside live peers says why (netlab forks start with one)
+    assert events.emitted[0][0] == "alone"
+    assert events.emitted[0][1]["reason"] == "none of 1 live peers expected"
 
 
 def test_async_without_a_group_retries_at_a_new_head_or_while_a_peer_is_grouping() -> None:
@@ -466,12 +469,14 @@ def test_a_peer_that_says_it_is_grouping_for_a_whole_round_is_not_waited_for_aga
     starts grouping afterwards is waited for again."""
     grouping = {OTHER: {"in_group": True, "speed": 1.0}}
     averager = FakeAverager(NoGroup("nobody came"))
-    part, replica, fake, _ = make_round(averager, grouping, protocol="async")
+    part, replica, fake, events = make_round(averager, grouping, protocol="async")
     mine = delta()
     assert part.run(mine, loss=2.0, t0=0.0).status is RoundStatus.KEPT
     tries = len(averager.calls)
     outcome = part.run(part.ledger.take(delta()), loss=2.0, t0=0.0)
     assert outcome.status is RoundStatus.ALONE and len(averager.calls) == tries + 1
+    alone = [f for e, f in events.emitted if e == "alone"]
+    assert [f["reason"] for f in alone] == ["no group; 1 grouping outwaited"]
     assert outcome.report is not None and outcome.report.steps == 2 * mine.steps
     fake.others["PeerNew"] = {"in_group": True, "speed": 1.0}
     # at v1 (the lone commit) both say they are grouping there: v0's outwaited peers do not

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,7 +16,8 @@ import pytest
 from diloco_peer.averaging import hierarchy
 from diloco_peer.averaging.contribution import ContributionRejected
 from diloco_peer.coordinator_free.notes import Note, Notes
-from diloco_peer.coordinator_free.swarm_view import HeadChoice
+from diloco_peer.coordinator_free.records import PeerHead
+from diloco_peer.coordinator_free.swarm_view import HeadChoice, SwarmView
 from diloco_peer.peer import stage_two
 from diloco_peer.peer.stage_two import StageTwo
 
@@ -38,16 +39,29 @@ class Box(Notes):
         return super().wait(kind, version, senders, min(timeout_s, 0.01))
 
 
-def member(box: Box | None, moves_on_hint: bool = True) -> tuple[Any, list[Any]]:
-    """A round of a member that is not its group's delegate, at version 3."""
+def member(
+    box: Box | None, moves_on_hint: bool = True, heads: dict[str, PeerHead] | None = None
+) -> tuple[Any, list[Any]]:
+    """A round of a member that is not its group's delegate, at version 3; `heads`: the live
+    heads its catch-up reads (SwarmPeer.catch_up's choice, and its `accept`)."""
     calls: list[Any] = []
     replica = SimpleNamespace(version=3, updates={})
 
-    def catch_up(hint: HeadChoice | None = None, publish: bool = True) -> bool:
+    def catch_up(
+        hint: HeadChoice | None = None,
+        publish: bool = True,
+        accept: Callable[[SwarmView, HeadChoice], bool] | None = None,
+    ) -> bool:
         calls.append((hint, publish))
         if hint is not None and moves_on_hint:
             replica.version = hint.version
             return True
+        if hint is None and heads:
+            view = SwarmView(ME, replica.version, HASH, dict(heads))
+            choice = view.choose_head(replay_window=2)
+            if choice is not None and (accept is None or accept(view, choice)):
+                replica.version = choice.version
+                return True
         return False
 
     published: list[bool] = []
@@ -93,6 +107,25 @@ def test_a_hint_that_does_not_replay_is_tried_once_then_the_heads_are_watched() 
     StageTwo()._await(rnd, None, LEADER, (0, 0), 1.0, 0.0, time.time() + 1.2, None)  # type: ignore[arg-type]
     hints = [hint for hint, _ in calls]
     assert hints[0] is not None and all(h is None for h in hints[1:]) and len(hints) >= 2
+
+
+def test_a_waiting_member_does_not_follow_another_peers_state_on_its_version() -> None:
+    """A lone commit at v4 while our group's delegate combines on v3: the member stays for its
+    group's update (else the update loses the fork vote by the members that left it), and
+    goes where its delegate goes."""
+    now, delegate, lone = time.time(), "Dpeer", "Apeer"  # peer ids are base58
+    heads = {
+        lone: PeerHead(peer_id=lone, version=4, state_hash="cd" * 32, updated=now),
+        delegate: PeerHead(peer_id=delegate, version=3, state_hash=HASH, updated=now),
+    }
+    rnd, calls = member(Box(), heads=heads)
+    outcome = StageTwo()._await(rnd, None, delegate, (0, 0), 1.0, 0.0, time.time() + 0.3, None)  # type: ignore[arg-type]
+    assert outcome == ("kept", "our group's combined update never came")
+    assert rnd.replica.version == 3 and len(calls) >= 2 and rnd.published == []
+    heads[delegate] = PeerHead(peer_id=delegate, version=4, state_hash="cd" * 32, updated=now)
+    rnd, _ = member(Box(), heads=heads)
+    StageTwo()._await(rnd, None, delegate, (0, 0), 1.0, 0.0, time.time() + 0.3, None)  # type: ignore[arg-type]
+    assert rnd.replica.version == 4 and rnd.published == [True]
 
 
 def delegate_round(box: Box | None, dht: dict[str, bytes]) -> tuple[Any, list[int]]:

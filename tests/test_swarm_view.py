@@ -219,6 +219,23 @@ def test_a_group_gives_way_at_its_own_version_only_to_at_least_as_many_peers() -
     assert ahead.moved_past(3, mine, members=4) == [(5, H1)]
 
 
+def test_a_member_waiting_for_its_groups_update_follows_only_its_delegate() -> None:
+    """Our group (delegate D) averages on v3; A committed v4 alone meanwhile. Following A would
+    take us from our group's update in the fork vote; the state D holds, one two versions
+    ahead, or anything once D's head is gone, we follow."""
+    lone = view(head(A, 4, H1), head(D, 3), version=3)
+    choice = lone.choose_head(replay_window=2)
+    assert choice is not None and (choice.version, choice.state_hash) == (4, H1)
+    assert not lone.follows_while_awaiting(choice, 3, D)
+    joined = view(head(A, 4, H1), head(D, 4, H1), version=3)  # D gave our version up to it
+    assert joined.follows_while_awaiting(choice, 3, D)
+    ours = HeadChoice(4, H2, (D,), lost_fork=False)
+    assert view(head(A, 4, H1), head(D, 4, H2), version=3).follows_while_awaiting(ours, 3, D)
+    ahead = HeadChoice(5, H1, (A, B), lost_fork=False)
+    assert lone.follows_while_awaiting(ahead, 3, D)
+    assert view(head(A, 4, H1), version=3).follows_while_awaiting(choice, 3, D)  # D is gone
+
+
 def test_one_keys_head_is_never_downloaded_whole() -> None:
     """The hijack of issue 16: one head far ahead (a forged state at v+1000) against honest heads;
     or one head with another hash at our own version. Neither moves us; a quorum does."""

@@ -92,6 +92,10 @@ class Replica:
         """The hash this peer advertises: the snapshot's (the state's before the first one)."""
         return self.state.hash() if self.blob is None else self.blob.state_hash
 
+    def at(self) -> tuple[int, str]:
+        """(version, published hash): where this replica is, as a round's group key names it."""
+        return self.state.version, self.published_hash
+
     @property
     def published_version(self) -> int:
         return self.blob.version if self.blob is not None else self.state.version

@@ -149,7 +149,7 @@ class Round:
         self.certifier, self.notes = certifier, notes
         """`certifier` seals what we commit and tells whether another group committed the same
         version; `notes`: round notes from other peers (coordinator_free/notes.py), None where
-        nobody can open a stream to us; `catch_up(hint=None, publish=True)`: SwarmPeer's."""
+        nobody can open a stream to us; `catch_up(hint=None, publish=True, accept=None)`: SwarmPeer's."""
         self.stage_two = StageTwo()
         self.co_planners: list[str] = []
         """The other members of the group committed last: they plan their next phase with us."""
@@ -174,8 +174,7 @@ class Round:
             outcome = self.contribute(mine, loss, t0)
             if outcome.status is not RoundStatus.RETRY:
                 return outcome
-        here = (self.replica.version, self.replica.published_hash)
-        self._outwaited = (*here, self.heads.view().grouping())
+        self._outwaited = (*self.replica.at(), self.heads.view().grouping())
         return self.keep(mine, "the swarm kept moving while we looked for a group", t0)
 
     def contribute(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome:
@@ -190,7 +189,8 @@ class Round:
             sync_timeout_s=self.swarm.sync_timeout_s,
         )  # fmt: skip
         if plan is None:  # alone in the swarm (Lookahead mode), or nobody worth waiting for
-            return self.commit(mine, [self.me], None, loss, t0)
+            n = len(view.others())
+            return self._alone(mine, loss, t0, f"none of {n} live peers expected" if n else "")
         key, offer, weight = self._offer(mine, announce=True, expected=len(plan.wait_for) + 1)
         waited = time.time()
         try:
@@ -287,12 +287,20 @@ class Round:
         # round, never our δ. Otherwise apply our δ alone.
         if self.catch_up():
             return RoundOutcome(RoundStatus.RETRY)
-        grouping = self.heads.view().grouping()
-        version, state_hash, outwaited = self._outwaited
-        if (version, state_hash) == (self.replica.version, self.replica.published_hash):
-            grouping -= outwaited
+        grouping, here = self.heads.view().grouping(), self._outwaited[:2]
+        outwaited = grouping & self._outwaited[2] if here == self.replica.at() else frozenset()
+        grouping -= outwaited
         if grouping:
             return RoundOutcome(RoundStatus.RETRY)
+        return self._alone(mine, loss, t0, f"no group; {len(outwaited)} grouping outwaited")
+
+    def _alone(self, mine: Contribution, loss: float, t0: float, why: str) -> RoundOutcome:
+        """Apply our δ alone, saying why (if other peers are live) in an `alone` event."""
+        if why:
+            self.events.emit(
+                "alone", version=self.replica.version, state_hash=self.replica.published_hash,
+                group_size=1, loss=loss, reason=why, seconds=round(time.time() - t0, 3),
+            )  # fmt: skip
         return self.commit(mine, [self.me], None, loss, t0)
 
     def commit(

@@ -9,7 +9,9 @@ The delegate reads its members' stage-one seals, joins the combine group under
 combination of every admitted group, or, when no other group came in time, its own group's
 average alone. The other members seal their stage-one statement and wait (bounded) for the head
 to move past their version; they replay the update as any peer catching up does, and their δ
-is applied if their group is in it, else kept for the next round.
+is applied if their group is in it, else kept for the next round. While they wait they follow
+only their delegate (`SwarmView.follows_while_awaiting`): another peer's state on their version
+would take their number from their own group's update in the fork vote.
 
 Round notes (coordinator_free/notes.py) carry both waits' news directly: each member hands its
 stage-one seal to the delegate as it stores it in the DHT, and the delegate tells its members
@@ -45,7 +47,7 @@ from diloco_peer.averaging.hierarchy import (
 from diloco_peer.averaging.matchmaking import Group
 from diloco_peer.averaging.round_plan import Admission
 from diloco_peer.coordinator_free.notes import Note
-from diloco_peer.coordinator_free.swarm_view import HeadChoice
+from diloco_peer.coordinator_free.swarm_view import HeadChoice, SwarmView
 from diloco_peer.coordinator_free.update_log import UpdateRecord
 from diloco_peer.errors import AllReduceFailed, LeftOut, NoGroup
 
@@ -258,10 +260,14 @@ class StageTwo:
         version and replay it; our δ is applied if our group is in it, else kept."""
         version, box = rnd.replica.version, rnd.notes()
         waited, hinted, moved = time.time(), False, False
+
+        def following(view: SwarmView, choice: HeadChoice) -> bool:
+            return view.follows_while_awaiting(choice, version, leader)
+
         while time.time() < deadline:
             hint = None if hinted else _hint(box, leader, version)
             hinted = hinted or hint is not None
-            moved = rnd.catch_up(hint, publish=False) or moved
+            moved = rnd.catch_up(hint, publish=False, accept=following) or moved
             if rnd.replica.version > version:
                 break
             if box is None or hinted:

@@ -39,7 +39,7 @@ from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.reachability import Verdict
 from diloco_peer.coordinator_free.rejoin import Rejoiner
-from diloco_peer.coordinator_free.swarm_view import HeadChoice, run_ended
+from diloco_peer.coordinator_free.swarm_view import HeadChoice, SwarmView, run_ended
 from diloco_peer.coordinator_free.update_log import UpdateLog
 from diloco_peer.identity import Identity
 from diloco_peer.lifeline import Lifeline
@@ -308,15 +308,23 @@ class SwarmPeer:
             self.on_round(outcome.report)
         return outcome
 
-    def catch_up(self, hint: HeadChoice | None = None, publish: bool = True) -> bool:
+    def catch_up(
+        self,
+        hint: HeadChoice | None = None,
+        publish: bool = True,
+        accept: Callable[[SwarmView, HeadChoice], bool] | None = None,
+    ) -> bool:
         """Move to the swarm's head if live peers are ahead, or heal a fork at our version (the
         head choice: `SwarmView.choose_head`). A peer whose branch lost contributes its last δ
         again. `hint`: go there instead (a two-stage delegate's note: replayed, never
-        downloaded); `publish`: publish our head if we moved (the caller may do it later)."""
-        window = self.catching_up.replay_window()
-        choice = hint or self.heads.view().choose_head(replay_window=window)
+        downloaded); `publish`: publish our head if we moved (the caller may do it later);
+        `accept`: whether to move to the head chosen (not asked for a hint)."""
+        choice = hint
         if choice is None:
-            return False
+            view = self.heads.view()
+            choice = view.choose_head(replay_window=self.catching_up.replay_window())
+            if choice is None or (accept is not None and not accept(view, choice)):
+                return False
         moved = self.catching_up.run(choice, probe_fork=self.ledger.owns(self.state.version))
         if moved is None:
             return False
