@@ -221,8 +221,8 @@ def test_a_group_gives_way_at_its_own_version_only_to_at_least_as_many_peers() -
 
 def test_a_member_waiting_for_its_groups_update_follows_only_its_delegate() -> None:
     """Our group (delegate D) averages on v3; A committed v4 alone meanwhile. Following A would
-    take us from our group's update in the fork vote; the state D holds, one two versions
-    ahead, or anything once D's head is gone, we follow."""
+    take us from our group's update in the fork vote; the state D holds, one most live peers
+    hold, one two versions ahead, or anything once D's head is gone, we follow."""
     lone = view(head(A, 4, H1), head(D, 3), version=3)
     choice = lone.choose_head(replay_window=2)
     assert choice is not None and (choice.version, choice.state_hash) == (4, H1)
@@ -234,6 +234,11 @@ def test_a_member_waiting_for_its_groups_update_follows_only_its_delegate() -> N
     ahead = HeadChoice(5, H1, (A, B), lost_fork=False)
     assert lone.follows_while_awaiting(ahead, 3, D)
     assert view(head(A, 4, H1), version=3).follows_while_awaiting(choice, 3, D)  # D is gone
+    # a combine of others committed without our group: 3 of 5 live peers hold it
+    most = view(head(A, 4, H1), head(B, 4, H1), head(C, 4, H1), head(D, 3), version=3)
+    assert most.follows_while_awaiting(choice, 3, D)
+    half = view(head(A, 4, H1), head(B, 4, H1), head(C, 3), head(D, 3), version=3)
+    assert not half.follows_while_awaiting(choice, 3, D)  # 2 of 5: not most
 
 
 def test_one_keys_head_is_never_downloaded_whole() -> None:

@@ -277,16 +277,19 @@ class SwarmView:
     def follows_while_awaiting(self, choice: HeadChoice, version: int, delegate: str) -> bool:
         """Whether a member of a two-stage group, waiting for the update its `delegate` commits on
         `version`, moves to `choice` now: to a state the delegate holds (its update, or what it
-        gave the version up to), to one two or more versions past `version` (the swarm went on
-        without our group), or anywhere once the delegate's head is gone. Not to another state
-        at `version + 1`: our group's update forks it and wins the fork vote by its number of
-        peers, which its own members would take to the other branch (netlab, async: 11 members
-        of a combine of 15 followed one peer's lone commit while their delegates committed, and
-        the 4 delegates lost the fork)."""
+        gave the version up to), one two or more versions past `version` (the swarm went on
+        without our group), one most live peers hold (a combine without our group: ours, if it
+        comes, loses the fork vote), or anywhere once the delegate's head is gone. Not to a
+        state at `version + 1` that fewer peers hold: our group's update forks it and wins the
+        vote by its number of peers, which its own members would take to the other branch
+        (netlab, async: 11 members of a combine of 15 followed one peer's lone commit while their
+        delegates committed, and the 4 delegates lost the fork)."""
         head = self.heads.get(delegate)
         if head is None or choice.version >= version + 2:
             return True
-        return (head.version, head.state_hash) == (choice.version, choice.state_hash)
+        state = (choice.version, choice.state_hash)
+        held = sum((h.version, h.state_hash) == state for h in self.others().values())
+        return (head.version, head.state_hash) == state or 2 * held > len(self.others()) + 1
 
     def expected_soon(self, now: float, grace_s: float) -> list[str]:
         """Async: the peers worth waiting for (DHT time `now`): in a group search at our state,
