@@ -296,8 +296,11 @@ class SwarmSettings:
     grace_share: float = GRACE_SHARE
     """Async mode: the grace period is also at least this share of a phase (H steps at the
     fastest live peer's speed), so that it scales with the phase (ALGORITHMS §2.4)."""
-    group_size: int = 64
-    """Target all-reduce group size; one group per version while the swarm fits in it."""
+    group_size: int = 16
+    """Most members of one all-reduce group: one group per version while the swarm fits in it,
+    two-stage averaging past it (averaging/hierarchy.py). Small, so that a member that drops
+    mid-round costs only its group's δs (issue 19: 16 peers in groups of 4 kept the rate of one
+    group of 16 on netlab, docs/results.md)."""
     weighting: Weighting = "uniform"
     """Average the members' deltas uniformly or weighted by their (self-reported) samples."""
     staleness_limit: int = 8

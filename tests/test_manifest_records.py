@@ -96,7 +96,7 @@ def test_error_classes() -> None:
 
 def test_swarm_settings_defaults_round_trip() -> None:
     settings_ = SwarmSettings()
-    assert settings_.protocol == "sync" and settings_.group_size == 64
+    assert settings_.protocol == "sync" and settings_.group_size == 16
     assert SwarmSettings.from_dict(settings_.to_dict()) == settings_
 
 

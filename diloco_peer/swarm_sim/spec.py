@@ -66,10 +66,10 @@ class SwarmSimSpec:
     catch_up_s: float = 1.0
     """A catch-up's fixed cost besides its bytes: reading heads, asking donors, verifying the
     certificates and hashes."""
-    hierarchy: str = "none"
-    """`none`: one group per version (today's protocol; a second group on the same base gives
-    up or forks); `two-stage`: several groups per version, their averages combined by one
-    delegate each (swarm_sim/hierarchy.py)."""
+    hierarchy: str = "two-stage"
+    """`two-stage` (what the swarm does past `group_size`): several groups per version, their
+    averages combined by one delegate each (swarm_sim/hierarchy.py); `none`: one group per
+    version (the protocol before it: a second group on the same base gives up or forks)."""
     group_size: int = _SWARM.group_size
     sync_timeout_s: float = _SWARM.sync_timeout_s
     allreduce_timeout_s: float = _SWARM.allreduce_timeout_s
