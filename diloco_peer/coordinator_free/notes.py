@@ -57,7 +57,8 @@ MAX_VERSIONS = 8
 WINDOW = 2
 """A note is read only for a version at most this far from the receiver's."""
 MAX_SENDERS = 64
-"""Senders kept per (kind, version): a group has at most 64 members."""
+"""Senders kept per (kind, version): a group of more members (`group_size` above 64) reads the
+others' seals from the DHT, as without notes."""
 MAX_OPEN = 16
 """Note streams read at once; more are refused."""
 SEND_TIMEOUT_S = 5.0
