@@ -26,13 +26,17 @@ from diloco_peer.coordinator_free.state_transfer import (
     download_state_multi,
     download_update,
 )
-from diloco_peer.coordinator_free.swarm_view import HeadChoice
+from diloco_peer.coordinator_free.swarm_view import HeadChoice, SwarmView
 from diloco_peer.coordinator_free.update_log import UpdateRecord, replay_horizon, replays
 from diloco_peer.errors import ConfigError
 from diloco_peer.p2p.service import P2PService
 from diloco_peer.peer.replica import Replica
 
 log = logging.getLogger(__name__)
+
+Accept = Callable[[SwarmView, HeadChoice], bool]
+"""Whether a catch-up goes to the head the swarm view picked (a two-stage member waiting for its
+group's update: `SwarmView.follows_while_awaiting`)."""
 
 STATE_TIMEOUT_S = 120.0
 """One full-state download (single donor or all of them)."""
@@ -170,6 +174,17 @@ class CatchUp:
         self.replica.snapshot()
         method, donor, nbytes = moved
         return CaughtUp(method, donor, probed + nbytes, time.time() - t0, old_version, lost_fork)
+
+    def target(
+        self, view: Callable[[], SwarmView], hint: HeadChoice | None, accept: Accept | None
+    ) -> HeadChoice | None:
+        """Where a catch-up goes: `hint` (a two-stage delegate's note), or the head `view()`
+        picks (`SwarmView.choose_head`, within our replay window) if `accept` takes it."""
+        if hint is not None:
+            return hint
+        heads = view()
+        choice = heads.choose_head(replay_window=self.replay_window())
+        return None if choice is None or (accept and not accept(heads, choice)) else choice
 
     def replay_window(self) -> int:
         """Versions ahead a replay reaches (our log's capacity, and while the missed updates

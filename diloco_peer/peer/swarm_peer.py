@@ -39,12 +39,12 @@ from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.reachability import Verdict
 from diloco_peer.coordinator_free.rejoin import Rejoiner
-from diloco_peer.coordinator_free.swarm_view import HeadChoice, SwarmView, run_ended
+from diloco_peer.coordinator_free.swarm_view import HeadChoice, run_ended
 from diloco_peer.coordinator_free.update_log import UpdateLog
 from diloco_peer.identity import Identity
 from diloco_peer.lifeline import Lifeline
 from diloco_peer.peer import peer_checkpoint
-from diloco_peer.peer.catch_up import CatchUp
+from diloco_peer.peer.catch_up import Accept, CatchUp
 from diloco_peer.peer.certify import Certifier
 from diloco_peer.peer.dashboard import DashboardServer, serve_dashboard
 from diloco_peer.peer.events import EventLog
@@ -309,22 +309,14 @@ class SwarmPeer:
         return outcome
 
     def catch_up(
-        self,
-        hint: HeadChoice | None = None,
-        publish: bool = True,
-        accept: Callable[[SwarmView, HeadChoice], bool] | None = None,
+        self, hint: HeadChoice | None = None, publish: bool = True, accept: Accept | None = None
     ) -> bool:
-        """Move to the swarm's head if live peers are ahead, or heal a fork at our version (the
-        head choice: `SwarmView.choose_head`). A peer whose branch lost contributes its last δ
-        again. `hint`: go there instead (a two-stage delegate's note: replayed, never
-        downloaded); `publish`: publish our head if we moved (the caller may do it later);
-        `accept`: whether to move to the head chosen (not asked for a hint)."""
-        choice = hint
+        """Move to the head `CatchUp.target` picks (`hint`, else the swarm's if `accept` takes
+        it), or heal a fork at our version; a peer whose branch lost contributes its last δ
+        again. `publish`: publish our head if we moved (else the caller does it later)."""
+        choice = self.catching_up.target(self.heads.view, hint, accept)
         if choice is None:
-            view = self.heads.view()
-            choice = view.choose_head(replay_window=self.catching_up.replay_window())
-            if choice is None or (accept is not None and not accept(view, choice)):
-                return False
+            return False
         moved = self.catching_up.run(choice, probe_fork=self.ledger.owns(self.state.version))
         if moved is None:
             return False
