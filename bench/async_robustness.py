@@ -11,8 +11,10 @@ ablations. Every run goes through the `diloco-peer simulate` CLI with one torch 
 at a time, and is kept as one JSON file under `--out` (by default in the repository: the full
 grid takes about 5 hours on 2 cores, so it is run over several sittings). A run kept for the
 same flags and simulator code (SIM_CODE and the default settings) is not run again;
-`--cached-only` runs nothing and summarizes what is kept. Prints one JSON document; with
---markdown, writes its section of the results page.
+`--cached-only` runs nothing and summarizes what is kept; `--adopt CODE` carries the runs kept
+at an older code over when one run per algorithm and start, run again, proves the change left
+them as they were. Prints one JSON document; with --markdown, writes its section of the results
+page.
 
     python bench/async_robustness.py --markdown docs/results.md
     python bench/async_robustness.py --out /tmp/ar --seeds 7 --starts scratch --H 50 \\
@@ -92,11 +94,17 @@ def code_digest() -> str:
     return h.hexdigest()[:12]
 
 
+def kept_path(args: list[str], out: Path, code: str | None = None) -> Path:
+    """Where the result of a run with these flags at simulator code `code` (now's by default)
+    is kept."""
+    key = hashlib.sha256(" ".join([code or CODE, *args]).encode()).hexdigest()[:16]
+    return out / f"{key}.json"
+
+
 def simulate(args: list[str], out: Path, cached_only: bool = False) -> dict[str, Any] | None:
     """One `simulate` run, or its kept result when `out` holds it already (same flags, same
     simulator code); with `cached_only`, None instead of a run."""
-    key = hashlib.sha256(" ".join([CODE, *args]).encode()).hexdigest()[:16]
-    path = out / f"{key}.json"
+    path = kept_path(args, out)
     if path.exists():
         return json.loads(path.read_text())
     if cached_only:
@@ -115,6 +123,39 @@ def simulate(args: list[str], out: Path, cached_only: bool = False) -> dict[str,
 
 
 CODE = code_digest()
+
+SAME_RESULT = ("final_ppl", "sim_time", "outer_updates", "curve")
+"""What must be equal, bit for bit, for a run at new code to be the run kept at old code."""
+
+
+def adopt(jobs: list[list[str]], out: Path, old: str, parallel: int) -> list[str]:
+    """Carry the runs kept at simulator code `old` over to the code of now, when a change left
+    the simulated runs as they were (a new option that is off by default, a comment). Proof,
+    not trust: the first kept run of each algorithm is run again at the new code, and only if
+    every one of them equals its kept result bit for bit (SAME_RESULT) are the others carried
+    over, each marked `adopted_from` with the runs that proved it. One proof per algorithm and
+    start (from scratch or pretrained: two code paths). Returns the runs proved; raises
+    SystemExit naming the first that differs (nothing carried over)."""
+    todo = [a for a in jobs if not kept_path(a, out).exists() and kept_path(a, out, old).exists()]
+    proofs: dict[tuple[str, bool], list[str]] = {}
+    for args in todo:
+        proofs.setdefault((args[args.index("--algo") + 1], "--pretrain-steps" in args), args)
+    with ThreadPoolExecutor(parallel) as pool:
+        reruns = list(pool.map(lambda args: simulate(args, out), proofs.values()))
+    for args, now in zip(proofs.values(), reruns, strict=True):
+        was = json.loads(kept_path(args, out, old).read_text())
+        if now is None or any(now[k] != was[k] for k in SAME_RESULT):
+            raise SystemExit(f"--adopt {old}: {' '.join(args)} differs at code {CODE}; "
+                             "the kept runs are not carried over")  # fmt: skip
+    proved = [" ".join(a) for a in proofs.values()]
+    for args in todo:
+        path = kept_path(args, out)
+        if not path.exists():
+            doc = json.loads(kept_path(args, out, old).read_text())
+            path.write_text(json.dumps(dict(doc, code=CODE, adopted_from=old, proved_by=proved)))
+    print(f"[bench] adopted {len(todo)} runs from code {old}, proved by {len(proved)} re-runs",
+          file=sys.stderr)  # fmt: skip
+    return proved
 
 
 SAME_AT_EVERY_LEVEL = ("sync", "ddp")
@@ -256,6 +297,12 @@ def main() -> None:
         action="store_true",
         help="run nothing: summarize the kept runs (a grid stopped half way)",
     )
+    p.add_argument(
+        "--adopt",
+        metavar="CODE",
+        help="carry over the runs kept at this older simulator code, if re-running one per "
+        "algorithm at the new code gives the same result bit for bit",
+    )
     p.add_argument("--json", type=Path, help="write the document here too")
     p.add_argument("--markdown", type=Path, help="write the section into this page")
     a = p.parse_args()
@@ -278,6 +325,8 @@ def main() -> None:
         jobs += [(cell, name, run_args(cell, algo, extra, a)) for cell, name, algo, extra in runs
                  if name not in SAME_AT_EVERY_LEVEL or cell.het == hets[0]]  # fmt: skip
     t0 = time.time()
+    if a.adopt:
+        adopt([args for _, _, args in jobs], a.out, a.adopt, a.jobs)
     with ThreadPoolExecutor(a.jobs) as pool:
         done = list(pool.map(lambda job: simulate(job[2], a.out, a.cached_only), jobs))
     results = {(cell.name, name): r for (cell, name, _), r in zip(jobs, done, strict=True) if r}

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import publish  # noqa: E402
-from async_robustness import CODE, KEPT, simulate  # noqa: E402
+from async_robustness import CODE, KEPT, parse_variants, simulate  # noqa: E402
 from paper_tables import time_to_reach  # noqa: E402
 
 BEGIN = "<!-- begin: bench/overlap_sim.py -->"
@@ -39,12 +39,13 @@ def comm_seconds(het: str, workers: int, h: int, share: float) -> float:
     return round(share * h * min(step_seconds(het, workers)), 3)
 
 
-def run_args(a: argparse.Namespace, algo: str, seed: int, overlap: str) -> list[str]:
+def run_args(a: argparse.Namespace, algo: str, seed: int, overlap: str,
+             extra: list[str] | None = None) -> list[str]:  # fmt: skip
     comm = comm_seconds(a.het, a.workers, a.H, a.comm_share)
     args = ["--algo", algo, "--model", a.model, "--workers", str(a.workers),
             "--total-steps", str(a.total_steps), "-H", str(a.H), "--heterogeneity", a.het,
             "--seed", str(seed), "--comm-s", str(comm)]  # fmt: skip
-    return args + (["--overlap", overlap] if overlap != "none" else [])
+    return args + (["--overlap", overlap] if overlap != "none" else []) + (extra or [])
 
 
 def utilization(run: dict[str, Any]) -> float:
@@ -122,6 +123,9 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--algos", default="sync,dn-dylu")
     p.add_argument("--rules", default="eager", help="overlap rules to run besides blocking")
+    p.add_argument("--variant", action="append", default=[], metavar="'NAME=RULE FLAGS'",
+                   help="an overlapped run with extra simulate flags (an ablation), quoted as "
+                   "one argument: 'lr05=local --outer-lr 0.5'")  # fmt: skip
     p.add_argument("--H", type=int, default=50, help="inner steps of the fastest worker")
     p.add_argument("--het", default="slight", help="heterogeneity level")
     p.add_argument("--comm-share", type=float, default=0.5,
@@ -138,18 +142,22 @@ def main() -> None:
     a.algos = a.algos.split(",")
     a.out.mkdir(parents=True, exist_ok=True)
     # seed-major: a run stopped half way has both algorithms on its first seeds
-    rules = ["none", *a.rules.split(",")]
+    variants = {"none": ("none", [])} | {r: (r, []) for r in a.rules.split(",") if r}
+    variants |= parse_variants(a.variant)
+    rules = list(variants)
     jobs = [(algo, seed, rule) for seed in a.seeds for algo in a.algos for rule in rules]
     t0 = time.time()
     with ThreadPoolExecutor(a.jobs) as pool:
         done = list(pool.map(
-            lambda j: simulate(run_args(a, *j), a.out, a.cached_only), jobs
+            lambda j: simulate(run_args(a, j[0], j[1], *variants[j[2]]), a.out, a.cached_only),
+            jobs,
         ))  # fmt: skip
     results = {job: r for job, r in zip(jobs, done, strict=True) if r}
     doc = {
         "command": "python bench/overlap_sim.py " + " ".join(sys.argv[1:]), "code": CODE,
         "workers": a.workers, "total_steps": a.total_steps, "H": a.H, "het": a.het,
         "comm_share": a.comm_share, "comm_s": comm_seconds(a.het, a.workers, a.H, a.comm_share),
+        "variants": {n: [rule, *extra] for n, (rule, extra) in variants.items() if n != "none"},
         "summary": summarize(a, rules[1:], results), "wall_s": time.time() - t0,
     }  # fmt: skip
     publish(doc, a.json, a.markdown, render(doc), BEGIN, END, NOTES)
