@@ -11,9 +11,9 @@ ablations. Every run goes through the `diloco-peer simulate` CLI with one torch 
 at a time, and is kept as one JSON file under `--out` (by default in the repository: the full
 grid takes about 5 hours on 2 cores, so it is run over several sittings). A run kept for the
 same flags and simulator code (SIM_CODE and the default settings) is not run again;
-`--cached-only` runs nothing and summarizes what is kept; `--adopt CODE` carries the runs kept
-at an older code over when one run per algorithm and start, run again, proves the change left
-them as they were. Prints one JSON document; with --markdown, writes its section of the results
+`--cached-only` runs nothing else and summarizes what is kept; `--adopt CODE` carries the runs
+kept at an older code over when one run per code path, run again, proves the change left them
+as they were. Prints one JSON document; with --markdown, writes its section of the results
 page.
 
     python bench/async_robustness.py --markdown docs/results.md
@@ -128,18 +128,30 @@ SAME_RESULT = ("final_ppl", "sim_time", "outer_updates", "curve")
 """What must be equal, bit for bit, for a run at new code to be the run kept at old code."""
 
 
+PATH_FLAGS = ("--algo", "--overlap", "--overlap-fold")
+"""Flags whose value picks another code path of the simulator (the others only set numbers)."""
+
+
+def code_path(args: list[str]) -> tuple[str, ...]:
+    """The simulator's code path a run takes, as far as its flags tell: the values of
+    PATH_FLAGS and the names of the other flags given (a pretraining, an all-reduce time)."""
+    flags = [a for a in args if a.startswith("-") and not a.lstrip("-").replace(".", "").isdigit()]
+    values = [args[args.index(f) + 1] for f in PATH_FLAGS if f in args]
+    return (*values, *sorted(set(flags) - set(PATH_FLAGS)))
+
+
 def adopt(jobs: list[list[str]], out: Path, old: str, parallel: int) -> list[str]:
     """Carry the runs kept at simulator code `old` over to the code of now, when a change left
     the simulated runs as they were (a new option that is off by default, a comment). Proof,
     not trust: the first kept run of each algorithm is run again at the new code, and only if
     every one of them equals its kept result bit for bit (SAME_RESULT) are the others carried
-    over, each marked `adopted_from` with the runs that proved it. One proof per algorithm and
-    start (from scratch or pretrained: two code paths). Returns the runs proved; raises
-    SystemExit naming the first that differs (nothing carried over)."""
+    over, each marked `adopted_from` with the runs that proved it. One proof per code path
+    (`code_path`). Returns the runs proved; raises SystemExit naming the first that differs
+    (nothing carried over)."""
     todo = [a for a in jobs if not kept_path(a, out).exists() and kept_path(a, out, old).exists()]
-    proofs: dict[tuple[str, bool], list[str]] = {}
+    proofs: dict[tuple[str, ...], list[str]] = {}
     for args in todo:
-        proofs.setdefault((args[args.index("--algo") + 1], "--pretrain-steps" in args), args)
+        proofs.setdefault(code_path(args), args)
     with ThreadPoolExecutor(parallel) as pool:
         reruns = list(pool.map(lambda args: simulate(args, out), proofs.values()))
     for args, now in zip(proofs.values(), reruns, strict=True):

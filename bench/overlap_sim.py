@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import publish  # noqa: E402
-from async_robustness import CODE, KEPT, parse_variants, simulate  # noqa: E402
+from async_robustness import CODE, KEPT, adopt, parse_variants, simulate  # noqa: E402
 from paper_tables import time_to_reach  # noqa: E402
 
 BEGIN = "<!-- begin: bench/overlap_sim.py -->"
@@ -135,6 +135,8 @@ def main() -> None:
     p.add_argument("--total-steps", type=int, default=2400)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--cached-only", action="store_true", help="run nothing: summarize kept runs")
+    p.add_argument("--adopt", metavar="CODE", help="carry over the runs kept at this older "
+                   "simulator code, as bench/async_robustness.py --adopt does")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the document here too")
     p.add_argument("--markdown", type=Path, help="write the section into this page")
     a = p.parse_args()
@@ -147,6 +149,8 @@ def main() -> None:
     rules = list(variants)
     jobs = [(algo, seed, rule) for seed in a.seeds for algo in a.algos for rule in rules]
     t0 = time.time()
+    if a.adopt:
+        adopt([run_args(a, j[0], j[1], *variants[j[2]]) for j in jobs], a.out, a.adopt, a.jobs)
     with ThreadPoolExecutor(a.jobs) as pool:
         done = list(pool.map(
             lambda j: simulate(run_args(a, j[0], j[1], *variants[j[2]]), a.out, a.cached_only),
