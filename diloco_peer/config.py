@@ -38,6 +38,8 @@ CompressionName = Literal["none", "fp16", "int8", "int4"]
 ComputeSchedule = Literal["constant", "doubling", "halving", "ramp-up", "ramp-down"]
 OverlapRule = Literal["none", "eager", "local"]
 """Overlapped rounds (ALGORITHMS §1.1): off, or where the next phase starts before the fold."""
+FoldRule = Literal["rebase", "mix"]
+"""Overlap's fold of θ_global (ALGORITHMS §1.1): rebase, or mix (Streaming DiLoCo's merge)."""
 ShardMode = Literal["iid", "non-iid"]
 Protocol = Literal["sync", "async"]
 Weighting = Literal["uniform", "samples"]
@@ -216,6 +218,10 @@ class SimSpec:
     """Overlapped rounds (ALGORITHMS §1.1): a worker starts its next phase as soon as its own
     ends and folds the new θ_global in once the all-reduce is done. `eager` starts it from the
     outer step previewed with its own δ, `local` from its own last local θ."""
+    overlap_fold: FoldRule = "rebase"
+    """How an overlapped phase folds θ_global in (`sim.worker.Fold`: rebase or mix)."""
+    overlap_keep: float = 1.0
+    """The fold's share of the local progress kept (1: all of it; 0: restart from θ_global)."""
     staleness_threshold: int = 10
     """async-polythres drops contributions staler than this."""
     drop_prob: float = 0.0
@@ -236,6 +242,9 @@ class SimSpec:
         _choice("heterogeneity", self.heterogeneity, HETEROGENEITY)
         _choice("compute schedule", self.compute_schedule, COMPUTE_SCHEDULES)
         _choice("overlap rule", self.overlap, OVERLAP_RULES)
+        _choice("fold rule", self.overlap_fold, get_args(FoldRule))
+        if not (is_finite(self.overlap_keep) and 0 <= self.overlap_keep <= 1):
+            raise ConfigError(f"overlap_keep must be in [0, 1], got {self.overlap_keep}")
         _positive("workers", self.workers)
         _positive("total_steps", self.total_steps)
         for name in ("jitter", "grace_s", "staleness_threshold", "pretrain_steps", "eval_every"):
@@ -343,10 +352,6 @@ class SwarmSettings:
         _share("grace_share", self.grace_share)
         if self.group_size < 1:
             raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
-        if self.staleness_limit < 0:
-            raise ConfigError(f"staleness_limit must be >= 0, got {self.staleness_limit}")
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(
                 f"unknown aggregation {self.aggregation!r}; choose {', '.join(AGGREGATIONS)}"
@@ -354,7 +359,8 @@ class SwarmSettings:
         _finite("norm_factor", self.norm_factor, 1, strict=True)
         if not (is_finite(self.min_cosine) and -1 <= self.min_cosine < 1):
             raise ConfigError(f"min_cosine must be in [-1, 1), got {self.min_cosine}")
-        for name in ("expected_peers", "eval_every", "keep_updates", "ban_rounds"):
+        for name in ("staleness_limit", "checkpoint_every", "expected_peers", "eval_every",
+                     "keep_updates", "ban_rounds"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         _finite("start_timeout_s", self.start_timeout_s, 0, strict=False)

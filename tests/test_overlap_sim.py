@@ -17,7 +17,7 @@ from diloco_peer.peer.inner import InnerTrainer, Schedule
 from diloco_peer.peer.model import build_model
 from diloco_peer.sim.profiles import VERY, StepClock
 from diloco_peer.sim.simulator import Simulator
-from diloco_peer.sim.worker import overlapped_phase, steps_before
+from diloco_peer.sim.worker import Fold, overlapped_phase, steps_before
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -71,6 +71,29 @@ def test_rebase_keeps_the_progress_since_the_base(small_run: RunSpec) -> None:
     trainer.rebase(new_global, base)
     for p, g in zip(trainer.params, new_global, strict=True):
         assert torch.allclose(p, g + 0.5)
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.25])
+def test_a_partial_rebase_keeps_that_share_of_the_progress(small_run: RunSpec, keep: float) -> None:
+    trainer = InnerTrainer(build_model(small_run.model, 64, 0, max_seq_len=16), small_run)
+    base = trainer.snapshot()
+    with torch.no_grad():
+        for p in trainer.params:
+            p.add_(0.5)
+    new_global = [t + 2.0 for t in base]
+    Fold("rebase", keep).apply(trainer, new_global, base)
+    for p, g in zip(trainer.params, new_global, strict=True):
+        assert torch.allclose(p, g + 0.5 * keep)
+
+
+def test_the_mix_fold_moves_the_local_params_towards_the_global_ones(small_run: RunSpec) -> None:
+    # Streaming DiLoCo's merge: θ_global + keep·(θ_local − θ_global), whatever the phase's base.
+    trainer = InnerTrainer(build_model(small_run.model, 64, 0, max_seq_len=16), small_run)
+    local = trainer.snapshot()
+    new_global = [t + 2.0 for t in local]
+    Fold("mix", 0.25).apply(trainer, new_global, [t - 9.0 for t in local])
+    for p, lo, g in zip(trainer.params, local, new_global, strict=True):
+        assert torch.allclose(p, g + 0.25 * (lo - g))
 
 
 def test_a_fold_after_zero_steps_is_the_blocking_phase(small_run: RunSpec) -> None:
@@ -132,6 +155,18 @@ def test_overlap_trains_through_the_all_reduce(small_run: RunSpec, algo: str, ru
     assert overlapped["final_ppl"] < 0.5 * overlapped["initial_ppl"]
 
 
+def test_the_fold_rules_give_other_runs_on_the_same_clock(small_run: RunSpec) -> None:
+    kwargs: dict[str, Any] = {"algo": "sync", "comm_s": 0.5 * H * GEO, "overlap": "local"}
+    rebase = _simulate(small_run, **kwargs)
+    assert _without_config(_simulate(small_run, overlap_keep=1.0, **kwargs)) == _without_config(
+        rebase
+    )  # the default fold
+    half = _simulate(small_run, overlap_keep=0.5, **kwargs)
+    mix = _simulate(small_run, overlap_fold="mix", overlap_keep=0.5, **kwargs)
+    assert rebase["sim_time"] == half["sim_time"] == mix["sim_time"]
+    assert len({rebase["final_ppl"], half["final_ppl"], mix["final_ppl"]}) == 3
+
+
 def test_the_two_rules_start_from_different_places(small_run: RunSpec) -> None:
     kwargs: dict[str, Any] = {"algo": "sync", "comm_s": 0.5 * H * GEO}
     eager = _simulate(small_run, overlap="eager", **kwargs)
@@ -143,6 +178,11 @@ def test_the_two_rules_start_from_different_places(small_run: RunSpec) -> None:
 def test_overlap_settings_are_checked(small_run: RunSpec) -> None:
     with pytest.raises(ConfigError, match="overlap rule"):
         SimSpec(run=small_run, overlap="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="fold rule"):
+        SimSpec(run=small_run, overlap_fold="average")  # type: ignore[arg-type]
+    for keep in (-0.1, 1.5, math.nan):
+        with pytest.raises(ConfigError, match="overlap_keep"):
+            SimSpec(run=small_run, overlap_keep=keep)
     with pytest.raises(ConfigError, match="--overlap needs"):
         SimSpec(run=small_run, algo="async", overlap="eager")
     with pytest.raises(ConfigError, match="not modelled"):

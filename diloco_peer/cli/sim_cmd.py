@@ -60,6 +60,8 @@ def simulate(
     grace_share: float = typer.Option(GRACE_SHARE, help="Async grace, share of a phase."),
     comm_s: float = typer.Option(0.0, help="Virtual seconds one all-reduce takes."),
     overlap: str = typer.Option("none", help="Train through the all-reduce: none|eager|local."),
+    overlap_fold: str = typer.Option("rebase", help="Overlap's fold of θ_global: rebase|mix."),
+    overlap_keep: float = typer.Option(1.0, help="Overlap's fold: share of local progress kept."),
     staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
     drop_prob: float = typer.Option(0.0, help="Sync: chance a contribution is lost (Fig. 8)."),
     compute_schedule: str = typer.Option(
@@ -67,9 +69,7 @@ def simulate(
     ),
     shards: str = typer.Option("iid", help="iid or non-iid (k-means on the model's features)."),
     num_shards: int = typer.Option(0, help="Data shards; 0 = one per worker."),
-    schedule_steps: int = typer.Option(
-        0, help="T of each shard's cosine schedule; 0 = total steps / shards."
-    ),
+    schedule_steps: int = typer.Option(0, help="T of each shard's cosine; 0 = budget / shards."),
     outer_optimizer: str = typer.Option(
         "nesterov", help="sgd|sgdm|nesterov|adam|delayed-nesterov (sync)."
     ),
@@ -89,9 +89,7 @@ def simulate(
     seq_len: int = typer.Option(RunSpec.seq_len, help="Tokens per sequence."),
     pretrain_steps: int = typer.Option(0, help="Shared single-worker pretraining steps first."),
     model: str = typer.Option("nano", help="Model preset: nano|tiny|20m|60m|150m|400m."),
-    data: str = typer.Option(
-        RunSpec.data, help="Data source (builtin:python-stdlib, path, hub name)."
-    ),
+    data: str = typer.Option(RunSpec.data, help="builtin:python-stdlib, a path or a hub name."),
     tokenizer: str = typer.Option(
         RunSpec.tokenizer, help="bytes | tokenizer.json path | bpe:VOCAB."
     ),
@@ -119,7 +117,8 @@ def simulate(
     spec = SimSpec(
         run=run, algo=algo, workers=workers, total_steps=total_steps, heterogeneity=heterogeneity,
         jitter=jitter, grace_s=grace_s, grace_share=grace_share, comm_s=comm_s, overlap=overlap,
-        drop_prob=drop_prob, staleness_threshold=staleness_threshold, threads=threads,
+        overlap_fold=overlap_fold, overlap_keep=overlap_keep, drop_prob=drop_prob,
+        staleness_threshold=staleness_threshold, threads=threads,
         compute_schedule=compute_schedule, pretrain_steps=pretrain_steps, eval_every=eval_every,
         init=str(init) if init else None,
     )  # fmt: skip

@@ -99,11 +99,20 @@ class InnerTrainer:
                 p.copy_(t, non_blocking=True)
 
     @torch.no_grad()
-    def rebase(self, new_global: Sequence[torch.Tensor], old_base: Sequence[torch.Tensor]) -> None:
-        """θ_local ← θ_local + (new_global − old_base): the overlapped round's fold (ALGORITHMS
-        §1.1). The progress made since `old_base` is kept and moved onto `new_global`."""
+    def rebase(
+        self,
+        new_global: Sequence[torch.Tensor],
+        old_base: Sequence[torch.Tensor],
+        keep: float = 1.0,
+    ) -> None:
+        """θ_local ← new_global + keep·(θ_local − old_base): the overlapped round's fold
+        (ALGORITHMS §1.1). The progress made since `old_base` (× keep) is moved onto
+        `new_global`; with `old_base` = `new_global` it is Streaming DiLoCo's merge."""
         for p, new, old in zip(self.params, new_global, old_base, strict=True):
-            p.add_((new.to(torch.float32) - old.to(torch.float32)).to(p.device, p.dtype))
+            if keep == 1.0:
+                p.add_((new.to(torch.float32) - old.to(torch.float32)).to(p.device, p.dtype))
+            else:
+                p.sub_(old.to(p.device, p.dtype)).mul_(keep).add_(new.to(p.device, p.dtype))
 
     def snapshot(self) -> list[torch.Tensor]:
         """The replica's current parameters as fp32 CPU tensors (copies)."""

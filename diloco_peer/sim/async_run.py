@@ -23,7 +23,7 @@ from diloco_peer.coordinator_free.dylu import dylu_phase_s, dylu_steps
 from diloco_peer.coordinator_free.sampler import ShardSampler
 from diloco_peer.peer.inner import Schedule
 from diloco_peer.sim.contributions import group_sum, mean_pairwise_cosine, plain_sum, uploaded
-from diloco_peer.sim.worker import Worker, eager_start, overlapped_phase, steps_before
+from diloco_peer.sim.worker import Fold, Worker, eager_start, overlapped_phase, steps_before
 
 if TYPE_CHECKING:
     from diloco_peer.sim.simulator import Simulator
@@ -120,6 +120,7 @@ class AsyncRun:
         w.phase = overlapped_phase(
             w.trainer, self.sim.theta, steps, steps_before(w.clock, start, fold_at, steps),
             lambda: [stream.next_batch()], self.schedules[s], self.shard_steps[s], w.start_from,
+            Fold(self.spec.overlap_fold, self.spec.overlap_keep),
         )  # fmt: skip
         self.shard_steps[s] += steps
         duration = w.clock.duration(steps)

@@ -38,7 +38,7 @@ from diloco_peer.peer.model import Transformer, build_model
 from diloco_peer.sim.async_run import AsyncRun
 from diloco_peer.sim.contributions import group_sum, mean_pairwise_cosine
 from diloco_peer.sim.profiles import StepClock, step_seconds
-from diloco_peer.sim.worker import Worker, eager_start, overlapped_phase, steps_before
+from diloco_peer.sim.worker import Fold, Worker, eager_start, overlapped_phase, steps_before
 
 ProgressFn = Callable[[int, int], None]
 
@@ -272,7 +272,7 @@ class Simulator:
                 phase = overlapped_phase(
                     w.trainer, self.theta, steps, -1 if w.keep_local else fold_after,
                     lambda s=s: [streams[s].next_batch()], schedules[s], shard_steps[s],
-                    w.start_from,
+                    w.start_from, Fold(spec.overlap_fold, spec.overlap_keep),
                 )  # fmt: skip
                 shard_steps[s] += steps
                 duration = w.clock.duration(steps)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco_peer.averaging.outer_base import OuterOptimizer
+from diloco_peer.config import FoldRule
 from diloco_peer.coordinator_free.dylu import SpeedMeter
 from diloco_peer.peer.inner import InnerTrainer, PhaseResult, Schedule
 from diloco_peer.sim.profiles import StepClock
@@ -55,6 +56,21 @@ def eager_start(
     return outer.preview(theta, [t * n for t in delta], n)
 
 
+@dataclass(frozen=True)
+class Fold:
+    """How an overlapped phase folds the new θ_global in (ALGORITHMS §1.1). `rebase`: the
+    progress made since the phase's start, × `keep`, moved onto θ_global (`keep` 1: all of it;
+    0: restart from θ_global). `mix`: θ_global + keep·(θ_local − θ_global), Streaming DiLoCo's
+    merge of the local and the global parameters."""
+
+    rule: FoldRule = "rebase"
+    keep: float = 1.0
+
+    def apply(self, trainer: InnerTrainer, theta: Sequence[torch.Tensor],
+              base: Sequence[torch.Tensor]) -> None:  # fmt: skip
+        trainer.rebase(theta, theta if self.rule == "mix" else base, self.keep)
+
+
 def overlapped_phase(
     trainer: InnerTrainer,
     theta: Sequence[torch.Tensor],
@@ -64,6 +80,7 @@ def overlapped_phase(
     schedule: Schedule,
     start_step: int,
     start_from: Sequence[torch.Tensor] | None = None,
+    fold: Fold = Fold(),
 ) -> PhaseResult:
     """A local phase that starts from `start_from` (by default the replica's own parameters,
     where its last phase ended) and folds in the new global state `theta` after `fold_after`
@@ -78,7 +95,7 @@ def overlapped_phase(
         trainer.load_params(start_from)
     base = trainer.snapshot()
     loss, samples = trainer.train(fold_after, next_batches, schedule, start_step)
-    trainer.rebase(theta, base)
+    fold.apply(trainer, theta, base)
     rest = steps - fold_after
     if rest <= 0:
         return PhaseResult(trainer.delta_from(theta), steps, samples, loss, 0.0)
