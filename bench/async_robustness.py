@@ -147,7 +147,9 @@ def adopt(jobs: list[list[str]], out: Path, old: str, parallel: int) -> list[str
     every one of them equals its kept result bit for bit (SAME_RESULT) are the others carried
     over, each marked `adopted_from` with the runs that proved it. One proof per code path
     (`code_path`). Returns the runs proved; raises SystemExit naming the first that differs
-    (nothing carried over)."""
+    (nothing carried over). The proof holds on the machine the kept runs were made on: another
+    CPU's kernels round differently (seen: 5.2526 against 5.2597 for the same run and code), so
+    elsewhere it fails and the runs are made again."""
     todo = [a for a in jobs if not kept_path(a, out).exists() and kept_path(a, out, old).exists()]
     proofs: dict[tuple[str, ...], list[str]] = {}
     for args in todo:
