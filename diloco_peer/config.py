@@ -385,15 +385,15 @@ class SwarmSettings:
 
 
 def default_run(
-    model: ModelPreset = "tiny", protocol: Protocol = "sync"
+    model: ModelPreset = "tiny", protocol: Protocol = "sync", total_steps: int = 0
 ) -> tuple[RunSpec, SwarmSettings]:
-    """The built-in run: tiny model, built-in corpus, byte tokens; synchronous DiLoCo, or
-    asynchronous Local-SGD with Delayed Nesterov. Both at outer lr 0.7: a grace-period group of
-    N peers is one Nesterov step under DN (ALGORITHMS §2.2), and the async grid measured no
-    gain from another lr (docs/results.md). `simulate --algo dn-dylu` runs the same preset."""
-    run = RunSpec(model=model, inner_steps=50, warmup_steps=20, num_shards=DEFAULT_SHARDS)
-    if protocol == "async":
-        run = dataclasses.replace(run, outer_optimizer="delayed-nesterov")
+    """The built-in run (tiny model, built-in corpus, byte tokens): sync DiLoCo, or async with
+    Delayed Nesterov; both at outer lr 0.7 (a group of N is one Nesterov step under DN, §2.2).
+    `simulate` takes its defaults from it. A run of `total_steps` local steps (0: open-ended)
+    runs each shard's cosine over its share of them, as the simulator does with its budget."""
+    run = RunSpec(model=model, warmup_steps=20, num_shards=DEFAULT_SHARDS,
+                  schedule_steps=total_steps // DEFAULT_SHARDS,
+                  outer_optimizer="delayed-nesterov" if protocol == "async" else "nesterov")  # fmt: skip
     return run, SwarmSettings(
         protocol="sync" if protocol == "sync" else "async",
         sync_timeout_s=30.0, allreduce_timeout_s=60.0, grace_s=2.0,

@@ -1,13 +1,19 @@
-"""Run configs: the TOML the demo writes reads back as the same run; async needs a grace."""
+"""Run configs: the TOML the demo writes reads back as the same run; async needs a grace; simulate
+and the swarm share one preset."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import shutil
 from pathlib import Path
 
 import pytest
 
-from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.cli.sim_cmd import simulate
+from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings, default_run
 from diloco_peer.coordinator_free.manifest import dump_run_config, load_run_config
+from diloco_peer.demo import Demo, DemoSpec
 from diloco_peer.errors import ConfigError
 
 
@@ -55,3 +61,38 @@ def test_bad_swarm_settings_are_refused(field: str, value: float) -> None:
 def test_bad_peer_flags_are_refused(field: str, value: float) -> None:
     with pytest.raises(ConfigError):
         PeerSpec(**{field: value})
+
+
+def test_simulate_runs_the_swarms_preset() -> None:
+    # Issue 17: one default preset, so that `simulate` predicts what `join` runs. Every run
+    # setting simulate's command line has (the model aside: a flag of both) defaults to the
+    # built-in run's, and so do the grace settings.
+    run, swarm = default_run()
+    options = inspect.signature(simulate).parameters
+    shared = [f.name for f in dataclasses.fields(RunSpec) if f.name in options]
+    assert len(shared) > 15  # the check reaches the settings that count
+    for name in shared:
+        if name not in ("model", "schedule_steps"):
+            assert options[name].default.default == getattr(run, name), name
+    assert options["grace_s"].default.default == swarm.grace_s
+    assert options["grace_share"].default.default == swarm.grace_share
+    # schedule_steps 0: the simulator spreads each shard's cosine over its share of the budget
+    # (sim/simulator.py, sim/async_run.py), as the built-in run of that length does.
+    assert options["schedule_steps"].default.default == 0
+    assert default_run("nano", "async", 2400)[0].schedule_steps == 2400 // run.num_shards
+    assert run.schedule_steps == 0  # open-ended: a swarm's 10,000 steps a shard
+
+
+@pytest.mark.parametrize("total_steps, schedule_steps", [(1000, 125), (0, 0)])
+def test_a_demo_of_known_length_schedules_its_shards_over_it(
+    total_steps: int, schedule_steps: int
+) -> None:
+    spec = DemoSpec(peers=2, rounds=1, total_steps=total_steps, model="nano", inner_steps=5,
+                    protocol="async", heterogeneity="none", timeout_s=60.0)  # fmt: skip
+    demo = Demo(spec)
+    try:
+        run, swarm = load_run_config(demo.config)
+    finally:
+        shutil.rmtree(demo.workdir)
+    assert run.schedule_steps == schedule_steps
+    assert run.outer_optimizer == "delayed-nesterov" and swarm.protocol == "async"

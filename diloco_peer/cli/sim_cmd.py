@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from diloco_peer.cli.app import app, configure_logging
-from diloco_peer.config import GRACE_SHARE, RunSpec, SimSpec
+from diloco_peer.config import GRACE_SHARE, RunSpec, SimSpec, default_run
 from diloco_peer.errors import BadInput
 
 _stderr = Console(stderr=True)
@@ -44,6 +44,10 @@ def _emit_json(doc: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
 
 
+PRESET = default_run()
+"""The swarm's built-in run: simulate's defaults are its settings (one preset, issue 17)."""
+
+
 @app.command()
 def simulate(
     algo: str = typer.Option(
@@ -56,7 +60,7 @@ def simulate(
     ),
     heterogeneity: str = typer.Option("none", help="Device speeds: none|slight|moderate|very."),
     jitter: float = typer.Option(0.0, help="Per-step log-normal jitter of virtual step times."),
-    grace_s: float = typer.Option(0.0, help="Async grace period, virtual seconds."),
+    grace_s: float = typer.Option(PRESET[1].grace_s, help="Async grace period, virtual s."),
     grace_share: float = typer.Option(GRACE_SHARE, help="Async grace, share of a phase."),
     comm_s: float = typer.Option(0.0, help="Virtual seconds one all-reduce takes."),
     overlap: str = typer.Option("none", help="Train through the all-reduce: none|eager|local."),
@@ -68,7 +72,7 @@ def simulate(
         "constant", help="Sync: constant|doubling|halving|ramp-up|ramp-down."
     ),
     shards: str = typer.Option("iid", help="iid or non-iid (k-means on the model's features)."),
-    num_shards: int = typer.Option(0, help="Data shards; 0 = one per worker."),
+    num_shards: int = typer.Option(PRESET[0].num_shards, help="Data shards; 0: one per worker."),
     schedule_steps: int = typer.Option(0, help="T of each shard's cosine; 0 = budget / shards."),
     outer_optimizer: str = typer.Option(
         "nesterov", help="sgd|sgdm|nesterov|adam|delayed-nesterov (sync)."
@@ -84,7 +88,7 @@ def simulate(
         RunSpec.prune_fraction, help="Zero this fraction of each δ tensor's smallest values."
     ),
     inner_lr: float = typer.Option(RunSpec.inner_lr, help="Peak AdamW learning rate."),
-    warmup_steps: int = typer.Option(RunSpec.warmup_steps, help="Warm-up steps of each schedule."),
+    warmup_steps: int = typer.Option(PRESET[0].warmup_steps, help="Warm-up steps of a schedule."),
     batch_size: int = typer.Option(RunSpec.batch_size, help="Sequences per inner step."),
     seq_len: int = typer.Option(RunSpec.seq_len, help="Tokens per sequence."),
     pretrain_steps: int = typer.Option(0, help="Shared single-worker pretraining steps first."),
