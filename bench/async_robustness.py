@@ -81,12 +81,15 @@ SIM_CODE = ("diloco_peer/sim", "diloco_peer/averaging/outer.py", "diloco_peer/av
 
 
 def code_digest() -> str:
-    """A digest of SIM_CODE and the simulator's default settings: a kept result counts only for
-    the code that produced it."""
-    from diloco_peer.config import SimSpec
+    """A digest of SIM_CODE and the simulator's default settings (SimSpec's, and the built-in
+    run's, which `simulate`'s flags default to): a kept result counts only for the code that
+    produced it."""
+    from diloco_peer.config import SimSpec, default_run
 
     root, h = Path(__file__).resolve().parent.parent, hashlib.sha256()
     h.update(json.dumps(SimSpec().to_dict(), sort_keys=True).encode())
+    run, swarm = default_run()
+    h.update(json.dumps([run.to_dict(), swarm.to_dict()], sort_keys=True).encode())
     for name in SIM_CODE:
         path = root / name
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
