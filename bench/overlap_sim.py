@@ -94,7 +94,10 @@ def render(doc: dict[str, Any]) -> str:
         f"H {doc['H']}, heterogeneity {doc['het']}, an all-reduce of {doc['comm_s']} virtual s "
         f"({doc['comm_share']} × the fastest worker's phase) in both runs. *reach s*: virtual "
         "seconds until the held-out ppl is at or below the blocking run's final ppl (— never). "
-        "*util*: the workers' mean compute seconds over virtual seconds.",
+        "*util*: the workers' mean compute seconds over virtual seconds. *rule*: the overlap rule "
+        "and its extra `simulate` flags: "
+        + "; ".join(f"{name} = `--overlap {' '.join(v)}`" for name, v in doc["variants"].items())
+        + ".",
         "",
         "| algo | rule | seed | blocking ppl | overlapped ppl (× blocking) | blocking s "
         "| overlapped s | reach s blocking / overlapped | util blocking / overlapped |",
