@@ -149,6 +149,20 @@ def test_async_shares_describe_the_shards(small_run: RunSpec) -> None:
     assert sum(result["data_share"]) == pytest.approx(1.0)
 
 
+def test_sync_trains_every_shard_when_there_are_more_shards_than_workers(
+    small_run: RunSpec,
+) -> None:
+    # DiLoCo's placement (worker i on shard i) when the shards match the workers; with the
+    # built-in run's 8 shards for 4 workers each phase goes to a shard Eq. 2 picks instead, so
+    # that no shard is left out and each shard's schedule runs over its share of the budget.
+    one_each = _simulate(small_run, algo="sync", num_shards=WORKERS)
+    assert one_each["shard_share"] == [1 / WORKERS] * WORKERS
+    more = _simulate(small_run, algo="sync", num_shards=2 * WORKERS)
+    assert len(more["shard_share"]) == 2 * WORKERS
+    assert min(more["shard_share"]) > 0
+    assert max(more["shard_share"]) <= 2 / (2 * WORKERS)
+
+
 def test_huge_grace_period_turns_dn_into_rounds(small_run: RunSpec) -> None:
     # Everyone arrives inside the window, so each group is the whole swarm: no staleness, and
     # each round lasts as long as the slowest device needs for H steps.

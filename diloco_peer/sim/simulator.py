@@ -24,6 +24,7 @@ import torch
 
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.config import SimSpec
+from diloco_peer.coordinator_free.sampler import ShardSampler
 from diloco_peer.peer.checkpoint import load_into_model, load_model_checkpoint
 from diloco_peer.peer.data import (
     ShardStream,
@@ -253,7 +254,11 @@ class Simulator:
         streams = self.streams(shards)
         horizon = r.schedule_steps or spec.total_steps // len(shards)
         schedules = [Schedule.for_run(r, horizon) for _ in shards]
-        shard_steps = [0] * len(shards)
+        shard_steps, shard_samples = [0] * len(shards), [0] * len(shards)
+        # DiLoCo's placement, worker i on shard i, leaves shards untrained when there are more
+        # shards than workers (the built-in run's 8 for 4 workers); then each phase goes to the
+        # shard Eq. 2 picks, as in the async runs, and each shard gets its share.
+        sampler = ShardSampler([len(x) for x in shards], r.seed) if len(shards) > k else None
         workers = self.new_workers(k)
         outer = self.outer_optimizer(r.outer_optimizer, buffer_size=r.dn_buffer_size or k)
         drop_rng = random.Random(r.seed + 104729)
@@ -265,7 +270,8 @@ class Simulator:
                 break
             arrived = []
             for w in workers[:m]:
-                s = w.index % len(shards)
+                s = w.index % len(shards) if sampler is None else sampler.sample(shard_samples)
+                shard_samples[s] += steps * r.batch_size
                 start = w.free_at if spec.overlap != "none" else self.now
                 fold_after = steps_before(w.clock, start, self.now, steps)
                 # A dropped contribution's worker continues from its local θ (DiLoCo Fig. 8).
@@ -299,4 +305,5 @@ class Simulator:
             "outer_updates": updates,
             "dropped_contributions": dropped,
             "idle_fraction": self.idle([w.busy_s for w in workers]),
+            "shard_share": [n / (sum(shard_samples) or 1) for n in shard_samples],
         }
