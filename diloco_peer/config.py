@@ -385,14 +385,13 @@ class SwarmSettings:
 
 
 def default_run(
-    model: ModelPreset = "tiny", protocol: Protocol = "sync", total_steps: int = 0
+    model: ModelPreset = "tiny", protocol: Protocol = "sync"
 ) -> tuple[RunSpec, SwarmSettings]:
     """The built-in run (tiny model, built-in corpus, byte tokens): sync DiLoCo, or async with
     Delayed Nesterov; both at outer lr 0.7 (a group of N is one Nesterov step under DN, §2.2).
-    `simulate` takes its defaults from it. A run of `total_steps` local steps (0: open-ended)
-    runs each shard's cosine over its share of them, as the simulator does with its budget."""
+    `simulate` takes its defaults from it, but for the schedule: each shard's cosine spans
+    10,000 steps in a swarm and its share of the budget in the simulator (docs/results.md)."""
     run = RunSpec(model=model, warmup_steps=20, num_shards=DEFAULT_SHARDS,
-                  schedule_steps=total_steps // DEFAULT_SHARDS,
                   outer_optimizer="delayed-nesterov" if protocol == "async" else "nesterov")  # fmt: skip
     return run, SwarmSettings(
         protocol="sync" if protocol == "sync" else "async",

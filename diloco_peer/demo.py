@@ -129,7 +129,7 @@ class Demo:
         self.spec = spec
         seconds = step_seconds(spec.heterogeneity, spec.peers)
         self.throttles = [s / min(seconds) for s in seconds]
-        run_spec, settings = default_run(spec.model, spec.protocol, spec.total_steps)
+        run_spec, settings = default_run(spec.model, spec.protocol)
         # Sync mode waits for its slowest peer: give it the time that peer needs.
         settings = dataclasses.replace(
             settings,

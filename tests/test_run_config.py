@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ import pytest
 from diloco_peer.cli.sim_cmd import simulate
 from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings, default_run
 from diloco_peer.coordinator_free.manifest import dump_run_config, load_run_config
-from diloco_peer.demo import Demo, DemoSpec
 from diloco_peer.errors import ConfigError
 
 
@@ -76,23 +74,8 @@ def test_simulate_runs_the_swarms_preset() -> None:
             assert options[name].default.default == getattr(run, name), name
     assert options["grace_s"].default.default == swarm.grace_s
     assert options["grace_share"].default.default == swarm.grace_share
-    # schedule_steps 0: the simulator spreads each shard's cosine over its share of the budget
-    # (sim/simulator.py, sim/async_run.py), as the built-in run of that length does.
-    assert options["schedule_steps"].default.default == 0
-    assert default_run("nano", "async", 2400)[0].schedule_steps == 2400 // run.num_shards
-    assert run.schedule_steps == 0  # open-ended: a swarm's 10,000 steps a shard
-
-
-@pytest.mark.parametrize("total_steps, schedule_steps", [(1000, 125), (0, 0)])
-def test_a_demo_of_known_length_schedules_its_shards_over_it(
-    total_steps: int, schedule_steps: int
-) -> None:
-    spec = DemoSpec(peers=2, rounds=1, total_steps=total_steps, model="nano", inner_steps=5,
-                    protocol="async", heterogeneity="none", timeout_s=60.0)  # fmt: skip
-    demo = Demo(spec)
-    try:
-        run, swarm = load_run_config(demo.config)
-    finally:
-        shutil.rmtree(demo.workdir)
-    assert run.schedule_steps == schedule_steps
-    assert run.outer_optimizer == "delayed-nesterov" and swarm.protocol == "async"
+    # The one setting that still differs, both at schedule_steps 0: the simulator spreads each
+    # shard's cosine over its share of the budget (sim/simulator.py, sim/async_run.py), a swarm
+    # over 10,000 steps (peer/phase.py). Spreading it over a demo's length made the real async
+    # swarm lose its lead (docs/results.md); the preset's ablation settles it.
+    assert options["schedule_steps"].default.default == run.schedule_steps == 0
