@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -240,6 +241,7 @@ def demo(
         peers=peers, rounds=rounds, total_steps=total_steps, model=model, inner_steps=inner_steps,
         protocol=protocol, heterogeneity=heterogeneity, timeout_s=timeout_s, log_json=log_json,
     )  # fmt: skip
+    _stop_on_sigterm()
     with Demo(spec) as run:
         run.launch()
         with Live(_demo_table(run), console=_err, refresh_per_second=2, transient=json_out) as live:
@@ -260,6 +262,16 @@ def demo(
         _out.print(f"logs in {summary['logs']}")
     if any(p["exit_code"] != 0 for p in summary["peers"]):
         raise typer.Exit(1)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops the demo as Ctrl+C does: leaving the `with Demo` block stops every peer.
+    Without it, SIGTERM ended the demo's process alone and its peers trained on."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _demo_table(run: Demo) -> Table:

@@ -1,0 +1,68 @@
+"""`diloco-peer demo` stopped by SIGTERM (a service manager, `timeout`, a shell's kill) stops
+every peer it started, as Ctrl+C does; it used to end alone and leave its peers training."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from diloco_peer import procfs
+from diloco_peer.local_swarm import PEER_COMMAND
+
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 90.0  # the demo gives its peers 20 s to leave, then kills what is left
+
+
+def _peers_of(demo_pid: int) -> list[int]:
+    """The `join` processes the demo started (its children)."""
+    return [
+        pid
+        for pid in procfs.pids()
+        if (s := procfs.running(pid)) is not None
+        and s.ppid == demo_pid
+        and "join" in procfs.cmdline(pid)
+    ]
+
+
+def _wait(condition, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.5)
+    return condition()
+
+
+def _kill_sessions(pids: list[int]) -> None:
+    for pid in pids:
+        s = procfs.stat(pid)
+        for member in procfs.session_members(s.sid) if s is not None else []:
+            try:
+                os.kill(member, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_sigterm_stops_the_demo_and_every_peer_it_started() -> None:
+    demo = subprocess.Popen(
+        [*PEER_COMMAND, "demo", "--peers", "2", "--rounds", "1000", "--model", "nano",
+         "-H", "5", "--timeout-s", "600", "--json"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    peers: list[int] = []
+    try:
+        assert _wait(lambda: len(_peers_of(demo.pid)) == 2, START_TIMEOUT_S), "peers never started"
+        peers = _peers_of(demo.pid)
+        demo.send_signal(signal.SIGTERM)
+        demo.wait(timeout=STOP_TIMEOUT_S)
+        assert _wait(lambda: not any(procfs.running(p) for p in peers), 10.0), (
+            f"peers left running after the demo stopped: {peers}"
+        )
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(timeout=10)
+        _kill_sessions(peers)
