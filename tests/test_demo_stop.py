@@ -3,13 +3,13 @@ every peer it started, as Ctrl+C does; it used to end alone and leave its peers 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
 
 from diloco_peer import procfs
-from diloco_peer.local_swarm import PEER_COMMAND
+from diloco_peer.lifeline import signal_all, wait_gone
+from diloco_peer.local_swarm import PEER_COMMAND, kill_session
 
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 90.0  # the demo gives its peers 20 s to leave, then kills what is left
@@ -36,13 +36,9 @@ def _wait(condition, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
 
 
 def _kill_sessions(pids: list[int]) -> None:
+    """SIGKILL each peer's session (a peer leads its own, with its DHT process and daemon)."""
     for pid in pids:
-        s = procfs.stat(pid)
-        for member in procfs.session_members(s.sid) if s is not None else []:
-            try:
-                os.kill(member, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_all(procfs.session_members(pid), signal.SIGKILL)
 
 
 def test_sigterm_stops_the_demo_and_every_peer_it_started() -> None:
@@ -58,11 +54,8 @@ def test_sigterm_stops_the_demo_and_every_peer_it_started() -> None:
         peers = _peers_of(demo.pid)
         demo.send_signal(signal.SIGTERM)
         demo.wait(timeout=STOP_TIMEOUT_S)
-        assert _wait(lambda: not any(procfs.running(p) for p in peers), 10.0), (
-            f"peers left running after the demo stopped: {peers}"
-        )
+        assert wait_gone(peers, 10.0), f"peers left running after the demo stopped: {peers}"
     finally:
         if demo.poll() is None:
-            os.killpg(demo.pid, signal.SIGKILL)
-            demo.wait(timeout=10)
+            kill_session(demo)
         _kill_sessions(peers)
