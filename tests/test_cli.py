@@ -147,6 +147,21 @@ def test_simulate_without_json_prints_a_summary(tmp_path: Path) -> None:
     assert "after 10 local steps" in result.stdout
 
 
+def test_simulate_runs_where_hivemind_is_not_installed() -> None:
+    """The simulator needs no network code: the GPU machines the benches borrow have torch but
+    not hivemind (bench/paper_tables.py --device cuda)."""
+    code = (
+        "import runpy, sys; sys.modules['hivemind'] = None; "
+        "sys.argv = ['diloco-peer', *sys.argv[1:]]; "
+        "runpy.run_module('diloco_peer', run_name='__main__')"
+    )
+    args = ["simulate", *TINY, "--algo", "sync", "--device", "cpu", "--json"]
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert math.isfinite(json.loads(proc.stdout)["final_ppl"])
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -167,6 +182,7 @@ def test_simulate_without_json_prints_a_summary(tmp_path: Path) -> None:
         (["simulate", "--overlap", "always"], "unknown overlap rule 'always'"),
         (["simulate", "--algo", "async", "--overlap", "eager"], "--overlap needs"),
         (["simulate", "--comm-s", "-3"], "comm_s"),
+        (["simulate", "--device", "gpu"], "unknown device 'gpu'"),
         (["simulate-swarm", "--peers", "0"], "peers"),
         (["simulate-swarm", "--hierarchy", "tree"], "hierarchy"),
         (["simulate-swarm", "--hours", "nan"], "hours"),

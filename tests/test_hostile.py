@@ -20,10 +20,9 @@ from diloco_peer.averaging.contribution import (
 )
 from diloco_peer.averaging.matchmaking import Group, pack_gather, unpack_gather
 from diloco_peer.averaging.outer import build_outer_optimizer
-from diloco_peer.averaging.reducer import answer_part
 from diloco_peer.averaging.robust import Aggregation
 from diloco_peer.averaging.state import ReplicatedState
-from diloco_peer.averaging.wire import unpack_answer
+from diloco_peer.averaging.wire import answer_part, unpack_answer
 from diloco_peer.config import RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.manifest import Manifest
 from diloco_peer.coordinator_free.records import PeerHead, choose_manifest

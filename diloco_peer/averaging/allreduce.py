@@ -189,7 +189,7 @@ class PartExchange(HandlerServer):
         of its own, as a member patched never to send its parts; AllReduceFailed at the timeout.
         `equivocate` is another: my reducer answers one member (the first other, sorted) with
         other bytes, signed, as a reducer patched to fork its part (receipts.forge_answer);
-        `bias`, a reducer answering a fixed direction within the bound (reducer.answer_part).
+        `bias`, a reducer answering a fixed direction within the bound (wire.answer_part).
         """
         check_bounds(bounds, len(members))
         chunks = torch.tensor_split(flat, chunk_count(flat.numel()))

@@ -146,7 +146,7 @@ class GroupAverager(BackgroundPart):
     :param equivocate: test-only fault: called in the loop thread with the round key; True
         makes this peer's reducer answer one member with other bytes, signed (a forked part).
     :param bias: test-only fault, likewise: its reducer answers every member a fixed direction
-        as long as the members' norm check allows, instead of the average (reducer.answer_part).
+        as long as the members' norm check allows, instead of the average (wire.answer_part).
     :param frame: test-only fault (`matchmaking.Frame`): as a leader, this peer lists a member
         that never joined, or with an envelope it did not send, and counts its ACK.
     """

@@ -35,20 +35,16 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from diloco_peer.averaging.wire import MAX_SIGNATURE_BYTES, SIGNATURE_HEAD, SIGNATURE_LENGTH
 from diloco_peer.errors import AllReduceFailed, IdentityError
 from diloco_peer.identity import peer_id_from_public_key, verify
 
 RECEIPT_TAG = b"diloco_peer/receipt-v1\x00"
 """Domain tag: no other message this package signs starts with it, so no other signature of a
 key (a header, a seal, a DHT record) can pass for one of its receipts."""
-MAX_SIGNATURE_BYTES = 1024
-"""An RSA-8192 signature (identity.MAX_RSA_BITS); RSA-2048 ones are 256 bytes."""
-_SIGNATURE_LENGTH = struct.Struct("<H")
 _RECEIPT_HEAD = struct.Struct("<32sH32sH")  # digest, part, answer hash, signature length
 _COUNT = struct.Struct("<H")
 
-SIGNATURE_HEAD = _SIGNATURE_LENGTH.size
-"""Bytes an answer carries before the signature itself (an unsigned one: these alone)."""
 MAX_RECEIPT_BYTES = _RECEIPT_HEAD.size + MAX_SIGNATURE_BYTES
 
 Sign = Callable[[bytes], bytes]
@@ -97,7 +93,7 @@ def seal_answer(answer: bytes, digest: bytes, part: int, sign: Sign | None) -> b
     signature = b"" if sign is None else sign(receipt_message(digest, part, _hash(answer)))
     if len(signature) > MAX_SIGNATURE_BYTES:
         raise ValueError(f"a signature of {len(signature)} bytes")
-    return _SIGNATURE_LENGTH.pack(len(signature)) + signature + answer
+    return SIGNATURE_LENGTH.pack(len(signature)) + signature + answer
 
 
 def read_answer(
@@ -111,7 +107,7 @@ def read_answer(
     """
     if len(body) < SIGNATURE_HEAD:
         raise AllReduceFailed(f"an answer of {len(body)} bytes holds no receipt")
-    (length,) = _SIGNATURE_LENGTH.unpack_from(body)
+    (length,) = SIGNATURE_LENGTH.unpack_from(body)
     if length > MAX_SIGNATURE_BYTES or len(body) < SIGNATURE_HEAD + length:
         raise AllReduceFailed(f"a receipt signature of {length} bytes in {len(body)}")
     signature = body[SIGNATURE_HEAD : SIGNATURE_HEAD + length]
@@ -242,7 +238,7 @@ def forge_answer(body: bytes, digest: bytes, part: int, sign: Sign | None) -> by
     first byte flipped, signed anew. A tiny change, within every bound a member checks."""
     if len(body) < SIGNATURE_HEAD:
         return body
-    (length,) = _SIGNATURE_LENGTH.unpack_from(body)
+    (length,) = SIGNATURE_LENGTH.unpack_from(body)
     answer = bytearray(body[SIGNATURE_HEAD + length :])
     (count,) = _COUNT.unpack_from(answer)  # wire.pack_answer: u16 count, 3 bytes per exclusion
     at = _COUNT.size + 3 * count

@@ -30,21 +30,14 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from hivemind.p2p import P2P
 from torch import Tensor
 
 from diloco_peer.averaging.compression import CODEC_ID, Compression, decode, encoded_size
 from diloco_peer.averaging.partition import MAX_CHUNKS, key_tag, part_sizes
 from diloco_peer.averaging.receipts import Sign, forge_answer, seal_answer
-from diloco_peer.averaging.robust import (
-    Aggregation,
-    Exclusion,
-    Reason,
-    aggregate_norm_bound,
-    screen_and_aggregate,
-)
-from diloco_peer.averaging.wire import OK, PART_HEADER, PartHeader, pack_answer, refusal
+from diloco_peer.averaging.robust import Aggregation, Exclusion, Reason
+from diloco_peer.averaging.wire import OK, PART_HEADER, PartHeader, answer_part, refusal
 from diloco_peer.errors import AllReduceFailed
 from diloco_peer.p2p.slots import SenderSlots
 from diloco_peer.p2p.streams import STREAM_ERRORS, consume, framed_size, linger, read_frame
@@ -82,32 +75,6 @@ one, even on members that hear of the failure from another member first."""
 def short_id(peer: str) -> str:
     """How logs and messages name a peer: the end of its base58 id."""
     return peer[-6:]
-
-
-def answer_part(
-    received: Sequence[Tensor | Exclusion],
-    weights: Sequence[float],
-    bounds: Sequence[float | None] | None,
-    aggregation: Aggregation,
-    codec: Compression,
-    numel: int,
-    bias: bool = False,
-) -> tuple[bytes, dict[int, Exclusion]]:
-    """What a reducer answers once every member's part is in: screen, exclude, aggregate
-    (`robust.screen_and_aggregate`), and serialize the answer (`wire.pack_answer`) once, for
-    every member. Returns the answer and every exclusion by member index, with its detail.
-
-    `bias` is a test-only fault: the answer is a fixed direction (the same in every round),
-    as long as the members' check allows (the longest declared norm it included, for a mean),
-    instead of the average: a reducer patched to steer its part within the norm bound."""
-    average, excluded = screen_and_aggregate(received, weights, bounds, aggregation, codec, numel)
-    included = [b for i, b in enumerate(bounds or ()) if b is not None and i not in excluded]
-    if bias and included:
-        direction = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-        limit = 0.9 * aggregate_norm_bound(included, aggregation)
-        average = direction * (limit / float(direction.norm()))
-    reasons = {i: exclusion.reason for i, exclusion in excluded.items()}
-    return pack_answer(reasons, average, codec), excluded
 
 
 class Round:

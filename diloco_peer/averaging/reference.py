@@ -10,9 +10,8 @@ from torch import Tensor
 
 from diloco_peer.averaging.compression import Compression, decode, encode
 from diloco_peer.averaging.partition import chunk_count, part_sizes
-from diloco_peer.averaging.reducer import answer_part
 from diloco_peer.averaging.robust import Aggregation, Reason, check_bounds, describe_exclusions
-from diloco_peer.averaging.wire import unpack_answer
+from diloco_peer.averaging.wire import answer_part, unpack_answer
 from diloco_peer.errors import AllReduceFailed
 
 

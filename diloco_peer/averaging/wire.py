@@ -32,9 +32,22 @@ import torch
 from torch import Tensor
 
 from diloco_peer.averaging.compression import Compression, decode, encode
-from diloco_peer.averaging.receipts import MAX_SIGNATURE_BYTES, SIGNATURE_HEAD
-from diloco_peer.averaging.robust import Aggregation, Reason, average_norm_limit
+from diloco_peer.averaging.robust import (
+    Aggregation,
+    Exclusion,
+    Reason,
+    aggregate_norm_bound,
+    average_norm_limit,
+    screen_and_aggregate,
+)
 from diloco_peer.errors import AllReduceFailed
+
+MAX_SIGNATURE_BYTES = 1024
+"""An RSA-8192 signature (identity.MAX_RSA_BITS); RSA-2048 ones are 256 bytes."""
+SIGNATURE_LENGTH = struct.Struct("<H")
+"""The u16 length in front of a receipt's signature (receipts.py)."""
+SIGNATURE_HEAD = SIGNATURE_LENGTH.size
+"""Bytes an answer carries before the signature itself (an unsigned one: these alone)."""
 
 PART_HEADER = struct.Struct("<4sB32s8sIBdQd")
 """magic, protocol version, round digest (sha256), key tag (sha256 of the round key, cut), part
@@ -162,3 +175,29 @@ def unpack_answer(
         if not norm <= limit:
             raise AllReduceFailed(f"an implausible average (norm {norm:.4g} above {limit:.4g})")
     return excluded, average
+
+
+def answer_part(
+    received: Sequence[Tensor | Exclusion],
+    weights: Sequence[float],
+    bounds: Sequence[float | None] | None,
+    aggregation: Aggregation,
+    codec: Compression,
+    numel: int,
+    bias: bool = False,
+) -> tuple[bytes, dict[int, Exclusion]]:
+    """What a reducer answers once every member's part is in: screen, exclude, aggregate
+    (`robust.screen_and_aggregate`), and serialize the answer (`pack_answer`) once, for
+    every member. Returns the answer and every exclusion by member index, with its detail.
+
+    `bias` is a test-only fault: the answer is a fixed direction (the same in every round),
+    as long as the members' check allows (the longest declared norm it included, for a mean),
+    instead of the average: a reducer patched to steer its part within the norm bound."""
+    average, excluded = screen_and_aggregate(received, weights, bounds, aggregation, codec, numel)
+    included = [b for i, b in enumerate(bounds or ()) if b is not None and i not in excluded]
+    if bias and included:
+        direction = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+        limit = 0.9 * aggregate_norm_bound(included, aggregation)
+        average = direction * (limit / float(direction.norm()))
+    reasons = {i: exclusion.reason for i, exclusion in excluded.items()}
+    return pack_answer(reasons, average, codec), excluded

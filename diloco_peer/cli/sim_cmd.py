@@ -105,6 +105,7 @@ def simulate(
     overwrite: bool = typer.Option(False, help="Allow --save to replace an existing file."),
     eval_every: int = typer.Option(0, help="Evaluate every N local steps (0 = about 20 points)."),
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
+    device: str = typer.Option("cpu", help="cpu|cuda|auto: where the replicas train."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -127,14 +128,15 @@ def simulate(
         init=str(init) if init else None,
     )  # fmt: skip
     _check_new_file(save, overwrite)
-    _simulate(spec, save, json_out)
+    _simulate(spec, save, json_out, device)
 
 
-def _simulate(spec: SimSpec, save: Path | None, json_out: bool) -> None:
+def _simulate(spec: SimSpec, save: Path | None, json_out: bool, device: str = "cpu") -> None:
     """Run the simulator with a progress bar, save its model if asked, print the result."""
     from diloco_peer.sim.simulator import Simulator  # heavy imports only when needed
 
-    sim = Simulator(spec)  # builds data and model; bad input fails here, before any output
+    # builds data and model; bad input fails here, before any output
+    sim = Simulator(spec, device=device)
     with _progress_bar(enabled=_stderr.is_terminal or not json_out) as bar:
         task = bar.add_task(spec.algo, total=spec.total_steps)
         sim.on_progress = lambda done, total: bar.update(task, completed=done, total=total)

@@ -35,7 +35,7 @@ from diloco_peer.peer.data import (
     sequence_features,
 )
 from diloco_peer.peer.inner import InnerTrainer, Schedule, evaluate_loss, perplexity
-from diloco_peer.peer.model import Transformer, build_model
+from diloco_peer.peer.model import Transformer, build_model, resolve_device
 from diloco_peer.sim.async_run import AsyncRun
 from diloco_peer.sim.contributions import group_sum, mean_pairwise_cosine
 from diloco_peer.sim.profiles import StepClock, step_seconds
@@ -61,8 +61,14 @@ def active_workers(schedule: str, workers: int, progress: float) -> int:
 class Simulator:
     """One simulated run. `run()` returns the JSON-ready result document."""
 
-    def __init__(self, spec: SimSpec, on_progress: ProgressFn | None = None) -> None:
+    def __init__(
+        self, spec: SimSpec, on_progress: ProgressFn | None = None, device: str = "cpu"
+    ) -> None:
         self.spec = spec
+        # Where the replicas train and the global model is evaluated (`resolve_device`); CUDA
+        # runs them under bf16 autocast, as a peer does, so its numbers differ from the CPU's.
+        self.device = resolve_device(device)
+        self._mirror: Transformer | None = None
         self.run_spec = spec.run
         self.on_progress = on_progress or (lambda done, total: None)
         if spec.threads:
@@ -73,7 +79,8 @@ class Simulator:
             r.data, r.tokenizer, r.seq_len, r.val_sequences, r.max_tokens, r.seed
         )
         self.model = self._initial_model()
-        # θ_global: the global model's parameters, fp32 on CPU, updated in place by the outer step.
+        # θ_global: the global model's parameters, fp32 on CPU (as a peer holds them), updated in
+        # place by the outer step.
         self.theta = [p.data for p in self.model.parameters()]
         self.initial_ppl = self.eval_ppl()
         self.curve: list[dict[str, float]] = []
@@ -91,6 +98,26 @@ class Simulator:
         r = self.run_spec
         return build_model(r.model, self.data.vocab_size, r.seed, max_seq_len=r.seq_len)
 
+    def on_device(self, model: Transformer | None = None) -> Transformer:
+        """`model` (the global model by default) where training runs: itself on CPU; elsewhere
+        one device copy of it, reused. Training the copy leaves `model` as it was until
+        `pull` copies the copy's parameters back."""
+        model = model or self.model
+        if self.device.type == "cpu":
+            return model
+        if self._mirror is None:
+            self._mirror = self._new_model().to(self.device)
+        self._mirror.load_state_dict(model.state_dict())
+        return self._mirror
+
+    @staticmethod
+    @torch.no_grad()
+    def pull(into: Transformer, trained: Transformer) -> None:
+        """`into` ← `trained`'s parameters (nothing to do when they are one model)."""
+        if trained is not into:
+            for p, q in zip(into.parameters(), trained.parameters(), strict=True):
+                p.copy_(q)
+
     def _initial_model(self) -> Transformer:
         model = self._new_model()
         if self.spec.init:
@@ -98,7 +125,8 @@ class Simulator:
             load_into_model(model, ckpt, self.spec.init)
         if self.spec.pretrain_steps:
             # The papers' shared start: plain AdamW on all the data, warm-up then constant lr.
-            trainer = InnerTrainer(model, self.run_spec)
+            trained = self.on_device(model)
+            trainer = InnerTrainer(trained, self.run_spec)
             stream = ShardStream(
                 self.data.train,
                 torch.arange(len(self.data.train)),
@@ -107,6 +135,7 @@ class Simulator:
             )
             schedule = Schedule.for_run(self.run_spec, self.spec.pretrain_steps, decay=False)
             trainer.train(self.spec.pretrain_steps, lambda: [stream.next_batch()], schedule, 0)
+            self.pull(model, trained)
         return model
 
     def shards(self, count: int) -> list[torch.Tensor]:
@@ -129,7 +158,7 @@ class Simulator:
         seconds = step_seconds(self.spec.heterogeneity, count)
         workers = []
         for i in range(count):
-            trainer = InnerTrainer(self._new_model(), self.run_spec)
+            trainer = InnerTrainer(self._new_model().to(self.device), self.run_spec)
             clock = StepClock(seconds[i], self.spec.jitter, seed=self.run_spec.seed * 1000 + i)
             worker = Worker(index=i, trainer=trainer, clock=clock)
             # A one-step probe gives DyLU a first speed estimate before any phase has run.
@@ -149,7 +178,7 @@ class Simulator:
 
     def eval_ppl(self) -> float:
         """Perplexity of the global model on the held-out windows."""
-        return perplexity(evaluate_loss(self.model, self.data.val))
+        return perplexity(evaluate_loss(self.on_device(), self.data.val))
 
     def progress(self, steps: int, at: float | None = None) -> None:
         """Count `steps` more local steps (delivered phases) and evaluate when one is due; the
@@ -199,7 +228,8 @@ class Simulator:
 
     def _run_single(self) -> dict[str, Any]:
         """One worker (device 0's speed), the run's batch, total_steps AdamW steps."""
-        trainer = InnerTrainer(self.model, self.run_spec)
+        trained = self.on_device()
+        trainer = InnerTrainer(trained, self.run_spec)
         stream = self.streams([torch.arange(len(self.data.train))])[0]
         clock = StepClock(
             step_seconds(self.spec.heterogeneity, 1)[0],
@@ -211,6 +241,7 @@ class Simulator:
         while done < self.spec.total_steps:
             chunk = min(self.eval_every, self.spec.total_steps - done)
             trainer.train(chunk, lambda: [stream.next_batch()], schedule, done)
+            self.pull(self.model, trained)
             self.now += clock.duration(chunk)
             done += chunk
             self.progress(chunk)
@@ -220,7 +251,8 @@ class Simulator:
         """Synchronous data parallel: every step averages all workers' gradients (k× batch);
         the slowest worker sets the pace."""
         k = self.spec.workers
-        trainer = InnerTrainer(self.model, self.run_spec)
+        trained = self.on_device()
+        trainer = InnerTrainer(trained, self.run_spec)
         streams = self.streams(self.shards(self.run_spec.num_shards or k))
         seconds = step_seconds(self.spec.heterogeneity, k)
         clocks = [
@@ -234,6 +266,7 @@ class Simulator:
         while done < updates:
             chunk = min(max(1, self.eval_every // k), updates - done)
             trainer.train(chunk, lambda: [s.next_batch() for s in streams[:k]], schedule, done)
+            self.pull(self.model, trained)
             for _ in range(chunk):
                 times = [c.duration(1) for c in clocks]
                 self.now += max(times)
