@@ -47,6 +47,17 @@ def test_a_silent_peer_is_pinged_again_with_backoff_and_an_answer_resets_it() ->
     assert "zz" not in book.known
 
 
+def test_a_peer_silent_for_two_pings_is_redialled_and_an_answer_ends_it() -> None:
+    book = RejoinBook("me")
+    book.note({"a": 0.0, "b": 0.0}, now=0.0)
+    book.record(["a", "b"], answered=set(), now=0.0)
+    assert book.redial(["a", "b"]) == []  # one miss: a busy peer keeps its connection
+    book.record(["a", "b"], answered={"b"}, now=10.0)
+    assert book.redial(["a", "b", "zz"]) == ["a"]  # two misses in a row; b answered the second
+    book.record(["a"], answered={"a"}, now=20.0)
+    assert book.redial(["a", "b"]) == []
+
+
 def test_heads_long_gone_are_forgotten_and_the_book_stays_bounded() -> None:
     book = RejoinBook("me", max_known=3, forget_s=100.0)
     book.note({"old": 0.0, "left": 0.0, "x": 150.0}, now=150.0)  # a departed head: updated 0

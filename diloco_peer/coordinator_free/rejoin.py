@@ -56,16 +56,26 @@ FORGET_S = 1800.0
 FIRST_RETRY_S = 2.0
 """After a peer's first unanswered ping, the next one waits this long; each further failure
 doubles the wait, up to MAX_RETRY_S."""
-MAX_RETRY_S = 8.0
+MAX_RETRY_S = 3.0
 """Short, so that the DHT is whole again within seconds of the network (a partition heals
-within 2 rounds, issue 15); a ping of a peer that is gone costs a failed dial every 8 s until
-its head is FORGET_S old."""
+within 2 rounds, issue 15): a peer missing from the table is pinged again at most
+REJOIN_PERIOD_S + MAX_RETRY_S + PING_TIMEOUT_S (10 s) after its last unanswered ping began
+(it was 8 s, for up to 15 s). A ping of a peer that is gone costs a failed dial every few
+seconds until its head is FORGET_S old (at most MAX_PINGS of them at once)."""
 REJOIN_PERIOD_S = 2.0
 """How often `Rejoiner` looks at the routing table (one cheap call into the DHT process)."""
 TABLE_TIMEOUT_S = 10.0
 """Reading the routing table (it waits behind whatever the DHT process is doing)."""
 PING_TIMEOUT_S = 5.0
 """One round of `Rejoiner`'s pings, all at once."""
+REDIAL_AFTER = 2
+"""Unanswered pings after which a peer's connections are closed before the next ping, so that
+the ping dials anew. A TCP connection that outlived a network cut stalls in retransmission
+backoff: after a 30 s cut, pings sent into it went unanswered for 10-14 s after the network
+healed (its next retransmission), and the two sides mended their tables one peer at a time, out
+of step, long enough for a second fork (measured, netlab, 2026-12-04); after longer cuts the
+backoff reaches minutes. Not after the first failure: a busy peer that misses one ping keeps its
+connection, and the streams on it (an all-reduce) with it."""
 _CALL_SLACK_S = 2.0
 """On top of a call's own timeout, for the trip through the DHT process's pipe."""
 
@@ -129,6 +139,11 @@ class RejoinBook:
         out.sort(key=lambda p: self.known[p].noted, reverse=True)
         return out[:limit]
 
+    def redial(self, peers: Iterable[str]) -> list[str]:
+        """Those of `peers` that have not answered REDIAL_AFTER pings in a row: their old
+        connections are dropped before the next ping."""
+        return [p for p in peers if p in self.known and self.known[p].failures >= REDIAL_AFTER]
+
     def record(self, pinged: Iterable[str], answered: Collection[str], now: float) -> None:
         """The outcome of pinging `pinged`: those in `answered` are back; the others wait
         FIRST_RETRY_S, doubled per failure, up to MAX_RETRY_S."""
@@ -153,15 +168,41 @@ async def _routed(_dht: DHT, node: DHTNode) -> list[str]:
     return [p.to_base58() for p in list(table.peer_id_to_uid) if p not in blacklist]
 
 
-async def _ping(_dht: DHT, node: DHTNode, peers: list[str], timeout_s: float) -> list[str]:
-    """Ping `peers` at once; those that answered (hivemind has put them in the routing table),
-    their blacklist entries cleared."""
+def _peer_ids(peers: Iterable[str]) -> list[PeerID]:
     ids = []
     for peer in peers:
         try:
             ids.append(PeerID.from_base58(peer))
         except ValueError:
             log.debug("not a peer id: %r", peer[:64])
+    return ids
+
+
+async def _disconnect(node: DHTNode, peers: list[str], timeout_s: float) -> None:
+    """Close this node's libp2p connections to `peers`, so the next call to each dials anew.
+    hivemind keeps its daemon client private (`P2P._client`); the daemon's DISCONNECT request
+    is the only way to drop a stalled connection."""
+    client = getattr(node.protocol.p2p, "_client", None)
+    ids = _peer_ids(peers)
+    if client is None or not ids:
+        return
+    done, pending = await asyncio.wait(
+        [asyncio.ensure_future(client.disconnect(p)) for p in ids], timeout=timeout_s
+    )
+    for task in pending:
+        task.cancel()
+    for task in done:
+        if task.exception() is not None:
+            log.debug("could not disconnect a stalled peer: %r", task.exception())
+
+
+async def _ping(
+    _dht: DHT, node: DHTNode, peers: list[str], timeout_s: float, redial: list[str]
+) -> list[str]:
+    """Ping `peers` at once, after closing the connections to those of `redial`; those that
+    answered (hivemind has put them in the routing table), their blacklist entries cleared."""
+    await _disconnect(node, redial, timeout_s / 2)
+    ids = _peer_ids(peers)
     tasks = [asyncio.ensure_future(node.protocol.call_ping(p)) for p in ids]
     if not tasks:
         return []
@@ -191,12 +232,15 @@ def routed_peers(dht: DHT, *, timeout_s: float) -> set[str]:
     return {p for p in found if isinstance(p, str)} if isinstance(found, list) else set()
 
 
-def ping_peers(dht: DHT, peers: list[str], *, timeout_s: float) -> set[str]:
-    """Ping `peers` from this DHT node (each at most `timeout_s`); the ones that answered."""
+def ping_peers(
+    dht: DHT, peers: list[str], *, timeout_s: float, redial: Collection[str] = ()
+) -> set[str]:
+    """Ping `peers` from this DHT node (each at most `timeout_s`, plus half of it to first close
+    the connections to those in `redial`); the ones that answered."""
     if not peers:
         return set()
-    found = _call(dht, partial(_ping, peers=list(peers), timeout_s=timeout_s), timeout_s,
-                  f"pinging {len(peers)} DHT peers")  # fmt: skip
+    ping = partial(_ping, peers=list(peers), timeout_s=timeout_s, redial=sorted(redial))
+    found = _call(dht, ping, 1.5 * timeout_s, f"pinging {len(peers)} DHT peers")
     return {p for p in found if isinstance(p, str)} if isinstance(found, list) else set()
 
 
@@ -217,7 +261,9 @@ class Rejoiner(ThreadPart):
         period_s: float = REJOIN_PERIOD_S,
         timeout_s: float = TABLE_TIMEOUT_S,
     ) -> None:
-        super().__init__("rejoin", join_timeout_s=timeout_s + PING_TIMEOUT_S + 2 * _CALL_SLACK_S)
+        super().__init__(
+            "rejoin", join_timeout_s=timeout_s + 1.5 * PING_TIMEOUT_S + 2 * _CALL_SLACK_S
+        )
         self._dht, self._initial, self._heads = dht, list(initial), heads
         self._on_rejoined, self._period_s, self._timeout_s = on_rejoined, period_s, timeout_s
         self.me, self.book = me, RejoinBook(me)
@@ -251,7 +297,7 @@ class Rejoiner(ThreadPart):
         due = self.book.due(routed, now)
         if not due:
             return []
-        answered = ping_peers(dht, due, timeout_s=PING_TIMEOUT_S)
+        answered = ping_peers(dht, due, timeout_s=PING_TIMEOUT_S, redial=self.book.redial(due))
         self.book.record(due, answered, time.time())
         if answered:
             self._on_rejoined(sorted(answered))
