@@ -5,7 +5,10 @@ peers through this module. Each peer runs in a session of its own, which holds i
 process and libp2p daemon (a process group of their own) and its lifeline (lifeline.py): stopping
 a peer SIGTERMs its main process, which stops the rest, and then SIGKILLs whatever is left in the
 session, so that nothing outlives it. `kill_main` kills the main process alone, as a crash or the
-OOM killer does, for tests of DESIGN §3's rule that a peer's processes die together.
+OOM killer does, for tests of DESIGN §3's rule that a peer's processes die together. The peers
+of a `LocalSwarm` die with the process that started them, too, however it dies (a demo killed by
+the OOM killer): a lifeline of its own SIGTERMs each peer's process group, then SIGKILLs what is
+left, and each peer's own lifeline then ends its DHT process and daemon.
 What a peer does is read from its `--log-json` events (DESIGN §6, peer/events.py).
 
     with LocalSwarm(folder, run="t") as swarm:  # every session is killed on the way out
@@ -30,6 +33,7 @@ from typing import Any
 
 from diloco_peer import procfs
 from diloco_peer.errors import LocalPeerFailed
+from diloco_peer.lifeline import Lifeline
 from diloco_peer.peer.events import read_log
 
 logger = logging.getLogger(__name__)
@@ -169,6 +173,8 @@ class LocalSwarm:
         self.cwd = cwd
         self.stop_grace_s = stop_grace_s
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._line: Lifeline | None = None
+        """Ends the peers if this process dies without `close()` (started with the first)."""
 
     def start(
         self,
@@ -183,8 +189,11 @@ class LocalSwarm:
         log = self.folder / f"{name}.jsonl"
         argv = [*wrap, *PEER_COMMAND, "join", "--run", self.run, *self.join_args,
                 "--log-json", str(log), *args]  # fmt: skip
+        if self._line is None:
+            self._line = Lifeline.start()
         proc = spawn(argv, stderr=self.folder / f"{name}.err", env=env, cwd=self.cwd)
         self.procs.append(proc)
+        self._line.watch_group(proc.pid)  # a session of its own: it leads its process group
         return proc, log
 
     def wait_event(
@@ -218,6 +227,9 @@ class LocalSwarm:
     def close(self) -> None:
         """Stop every peer (see the class docstring); safe to call again."""
         stop_sessions(self.procs, self.stop_grace_s)
+        if self._line is not None:
+            self._line.close()
+            self._line = None
 
     def __enter__(self) -> LocalSwarm:
         return self

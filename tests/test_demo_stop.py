@@ -1,5 +1,7 @@
 """`diloco-peer demo` stopped by SIGTERM (a service manager, `timeout`, a shell's kill) stops
-every peer it started, as Ctrl+C does; it used to end alone and leave its peers training."""
+every peer it started, as Ctrl+C does; it used to end alone and leave its peers training. Killed
+by SIGKILL (the OOM killer), it cannot stop them itself: its local swarm's lifeline does, and
+each peer's own lifeline then ends the peer's DHT process and daemon."""
 
 from __future__ import annotations
 
@@ -41,13 +43,17 @@ def _kill_sessions(pids: list[int]) -> None:
         signal_all(procfs.session_members(pid), signal.SIGKILL)
 
 
-def test_sigterm_stops_the_demo_and_every_peer_it_started() -> None:
-    demo = subprocess.Popen(
+def _start_demo() -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
         [*PEER_COMMAND, "demo", "--peers", "2", "--rounds", "1000", "--model", "nano",
          "-H", "5", "--timeout-s", "600", "--json"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
+
+
+def test_sigterm_stops_the_demo_and_every_peer_it_started() -> None:
+    demo = _start_demo()
     peers: list[int] = []
     try:
         assert _wait(lambda: len(_peers_of(demo.pid)) == 2, START_TIMEOUT_S), "peers never started"
@@ -58,4 +64,23 @@ def test_sigterm_stops_the_demo_and_every_peer_it_started() -> None:
     finally:
         if demo.poll() is None:
             kill_session(demo)
+        _kill_sessions(peers)
+
+
+def test_a_demo_killed_alone_by_sigkill_leaves_no_process_of_its_peers() -> None:
+    demo = _start_demo()
+    peers: list[int] = []
+    helpers: list[int] = []
+    try:
+        assert _wait(lambda: len(_peers_of(demo.pid)) == 2, START_TIMEOUT_S), "peers never started"
+        peers = _peers_of(demo.pid)
+        # each peer's DHT process and daemon: up once the peer's session holds them
+        assert _wait(lambda: all(len(procfs.session_members(p)) >= 3 for p in peers), 60.0)
+        helpers = [m for p in peers for m in procfs.session_members(p) if m != p]
+        demo.kill()  # the main process alone, as the OOM killer does
+        demo.wait(timeout=10)
+        assert wait_gone(peers, 30.0), f"peers left running after the demo died: {peers}"
+        assert wait_gone(helpers, 30.0), f"peer processes left behind: {helpers}"
+    finally:
+        kill_session(demo)
         _kill_sessions(peers)
