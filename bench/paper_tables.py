@@ -97,8 +97,10 @@ def main() -> None:
         "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size),
         "--inner-lr", str(a.inner_lr), "--seed", str(a.seed), "--eval-every", str(max(1, H)),
         # the settings the tables were made with, before simulate took the swarm's preset
-        # (8 shards, warm-up 20): one shard per worker, as in the papers
-        "--warmup-steps", "50", "--num-shards", "0", "--device", a.device,
+        # (8 shards, warm-up 20, a cosine of 10,000 steps a shard): one shard per worker, as in
+        # the papers, each shard's cosine over its worker's T steps
+        "--warmup-steps", "50", "--num-shards", "0", "--schedule-steps", str(T),
+        "--device", a.device,
     ]  # fmt: skip
     for flag, value in (("--max-tokens", a.max_tokens), ("--val-sequences", a.val_sequences)):
         if value is not None:

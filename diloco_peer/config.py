@@ -153,8 +153,8 @@ class RunSpec:
     num_shards: int = 0
     """Number of data shards; 0 means one per worker."""
     schedule_steps: int = 0
-    """T of each shard's cosine schedule (ALGORITHMS §2.6); 0 derives it: the simulator uses
-    total_steps / shards, a swarm (whose length is open-ended) 10,000."""
+    """T of each shard's cosine schedule (ALGORITHMS §2.6); 0 means 10,000, in a swarm and the
+    simulator alike (peer/inner.py SHARD_SCHEDULE_STEPS)."""
     compression: CompressionName = "none"
     """Pseudo-gradient encoding on the wire: none (fp32), fp16, int8 or int4 (blockwise absmax,
     averaging/compression.py). Lossy codecs round each contribution and the group's average."""
@@ -389,8 +389,7 @@ def default_run(
 ) -> tuple[RunSpec, SwarmSettings]:
     """The built-in run (tiny model, built-in corpus, byte tokens): sync DiLoCo, or async with
     Delayed Nesterov; both at outer lr 0.7 (a group of N is one Nesterov step under DN, §2.2).
-    `simulate` takes its defaults from it, but for the schedule: each shard's cosine spans
-    10,000 steps in a swarm and its share of the budget in the simulator (docs/results.md)."""
+    `simulate` takes its defaults from it, the schedule's length included (docs/results.md)."""
     run = RunSpec(model=model, warmup_steps=20, num_shards=DEFAULT_SHARDS,
                   outer_optimizer="delayed-nesterov" if protocol == "async" else "nesterov")  # fmt: skip
     return run, SwarmSettings(

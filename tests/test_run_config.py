@@ -70,12 +70,10 @@ def test_simulate_runs_the_swarms_preset() -> None:
     shared = [f.name for f in dataclasses.fields(RunSpec) if f.name in options]
     assert len(shared) > 15  # the check reaches the settings that count
     for name in shared:
-        if name not in ("model", "schedule_steps"):
+        if name != "model":
             assert options[name].default.default == getattr(run, name), name
     assert options["grace_s"].default.default == swarm.grace_s
     assert options["grace_share"].default.default == swarm.grace_share
-    # The one setting that still differs, both at schedule_steps 0: the simulator spreads each
-    # shard's cosine over its share of the budget (sim/simulator.py, sim/async_run.py), a swarm
-    # over 10,000 steps (peer/phase.py). Spreading it over a demo's length made the real async
-    # swarm lose its lead (docs/results.md); the preset's ablation settles it.
+    # the schedule's length too: both at 0, each shard's cosine spans SHARD_SCHEDULE_STEPS in a
+    # swarm (peer/phase.py) and in the simulator (sim/simulator.py, sim/async_run.py)
     assert options["schedule_steps"].default.default == run.schedule_steps == 0

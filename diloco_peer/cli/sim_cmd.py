@@ -73,7 +73,7 @@ def simulate(
     ),
     shards: str = typer.Option("iid", help="iid or non-iid (k-means on the model's features)."),
     num_shards: int = typer.Option(PRESET[0].num_shards, help="Data shards; 0: one per worker."),
-    schedule_steps: int = typer.Option(0, help="T of each shard's cosine; 0 = budget / shards."),
+    schedule_steps: int = typer.Option(0, help="T of each shard's cosine; 0 = 10,000."),
     outer_optimizer: str = typer.Option(
         "nesterov", help="sgd|sgdm|nesterov|adam|delayed-nesterov (sync)."
     ),

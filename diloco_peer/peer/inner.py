@@ -24,6 +24,12 @@ from diloco_peer.peer.model import autocast_context
 
 log = logging.getLogger(__name__)
 
+SHARD_SCHEDULE_STEPS = 10_000
+"""T of each shard's cosine when the run sets none (`RunSpec.schedule_steps` 0), in a swarm (whose
+length is open-ended) and in the simulator alike: one preset for both (issue 17). In the
+simulator it beat a cosine over each shard's share of the budget for sync and DN + DyLU alike
+(docs/results.md, the preset ablation)."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class Schedule:
@@ -41,6 +47,11 @@ class Schedule:
         # Clamped so a shard that runs past T stays at η_min instead of climbing back up.
         r = min(1.0, max(0.0, (step - self.warmup_steps) / span))
         return self.min_lr + 0.5 * (self.peak_lr - self.min_lr) * (1 + math.cos(math.pi * r))
+
+    @classmethod
+    def for_shard(cls, spec: RunSpec) -> Schedule:
+        """A data shard's schedule: over the run's T, or SHARD_SCHEDULE_STEPS."""
+        return cls.for_run(spec, spec.schedule_steps or SHARD_SCHEDULE_STEPS)
 
     @classmethod
     def for_run(cls, spec: RunSpec, total_steps: int, decay: bool = True) -> Schedule:

@@ -138,7 +138,7 @@ def build_training(
     )  # fmt: skip
     state = ReplicatedState([p.detach() for p in init.parameters()], outer, num_shards,
                             manifest_digest)  # fmt: skip
-    schedule = Schedule.for_run(run, total_steps=run.schedule_steps or 10_000)
+    schedule = Schedule.for_shard(run)
     return Training(data, device, trainer, shards, streams, schedule, state, init)
 
 

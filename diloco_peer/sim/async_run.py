@@ -43,8 +43,7 @@ class AsyncRun:
         shards = sim.shards(r.num_shards or spec.workers)
         self.streams = sim.streams(shards)
         self.sizes = [len(s) for s in shards]
-        horizon = r.schedule_steps or spec.total_steps // len(shards)
-        self.schedules = [Schedule.for_run(r, horizon) for _ in shards]
+        self.schedules = [Schedule.for_shard(r) for _ in shards]
         self.shard_steps, self.shard_samples = [0] * len(shards), [0] * len(shards)
         self.sampler = ShardSampler(self.sizes, seed=r.seed)
         self.workers = sim.new_workers(spec.workers)

@@ -285,8 +285,7 @@ class Simulator:
         k = spec.workers
         shards = self.shards(r.num_shards or k)
         streams = self.streams(shards)
-        horizon = r.schedule_steps or spec.total_steps // len(shards)
-        schedules = [Schedule.for_run(r, horizon) for _ in shards]
+        schedules = [Schedule.for_shard(r) for _ in shards]
         shard_steps, shard_samples = [0] * len(shards), [0] * len(shards)
         # DiLoCo's placement, worker i on shard i, leaves shards untrained when there are more
         # shards than workers (the built-in run's 8 for 4 workers); then each phase goes to the
