@@ -102,7 +102,7 @@ class Simulator:
         """`model` (the global model by default) where training runs: itself on CPU; elsewhere
         one device copy of it, reused. Training the copy leaves `model` as it was until
         `pull` copies the copy's parameters back."""
-        model = model or self.model
+        model = self.model if model is None else model
         if self.device.type == "cpu":
             return model
         if self._mirror is None:
