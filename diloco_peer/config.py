@@ -10,11 +10,19 @@ is validated in `__post_init__`, which raises `ConfigError` with a readable mess
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from diloco_peer.config_checks import (
+    checked_fields,
+    choice,
+    finite,
+    is_finite,
+    non_negative,
+    positive,
+    share,
+)
 from diloco_peer.errors import ConfigError
 
 ModelPreset = Literal["nano", "tiny", "20m", "60m", "150m", "400m"]
@@ -56,8 +64,6 @@ COMPUTE_SCHEDULES: tuple[ComputeSchedule, ...] = get_args(ComputeSchedule)
 OVERLAP_RULES: tuple[OverlapRule, ...] = get_args(OverlapRule)
 PROTOCOLS: tuple[Protocol, ...] = get_args(Protocol)
 
-MAX_INT = 2**63 - 1
-"""Integers in configs and manifests beyond this are refused (JSON allows any size)."""
 DEFAULT_SHARDS = 8
 """Data shards of the built-in run (and of a swarm run whose num_shards is 0)."""
 GRACE_SHARE = 0.5
@@ -72,44 +78,8 @@ largest preset's peer checkpoint, while the safetensors library accepts 100 MB, 
 hostile header JSON made 175 MB of Python objects. Checked before any header is parsed."""
 
 
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{name} must be > 0, got {value}")
-
-
-def _non_negative(name: str, value: float) -> None:
-    if not value >= 0:
-        raise ConfigError(f"{name} must be >= 0, got {value}")
-
-
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")
 """A base58 peer id, as `diloco-peer keygen` prints it."""
-
-
-def _checked_fields(cls: type, data: Any, what: str, not_a_dict: str) -> dict[str, Any]:
-    """`data` (JSON or TOML) as keyword arguments of the dataclass `cls`: every key one of its
-    fields, every value of its default's type (an int is a fine float, a bool never a number),
-    integers within MAX_INT; ConfigError naming `what` (or `not_a_dict`) otherwise."""
-    if not isinstance(data, dict):
-        raise ConfigError(not_a_dict)
-    defaults = cls()
-    unknown = sorted(map(str, set(data) - {f.name for f in dataclasses.fields(cls)}))
-    if unknown:
-        raise ConfigError(f"unknown {what}(s): {', '.join(unknown)}")
-    for name, value in data.items():
-        default = getattr(defaults, name)
-        kind = float if isinstance(default, float) else type(default)
-        ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
-        if not ok or isinstance(value, bool) != isinstance(default, bool):
-            raise ConfigError(f"{what} {name} has the wrong type")
-        if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
-            raise ConfigError(f"{what} {name} is out of range")
-    return data
-
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -164,18 +134,18 @@ class RunSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _choice("model preset", self.model, MODEL_PRESETS)
-        _choice("outer optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
-        _choice("shard mode", self.shards, get_args(ShardMode))
+        choice("model preset", self.model, MODEL_PRESETS)
+        choice("outer optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        choice("shard mode", self.shards, get_args(ShardMode))
         for name in ("seq_len", "batch_size", "val_sequences", "inner_lr", "inner_steps"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         for name in ("max_tokens", "warmup_steps", "weight_decay", "grad_clip", "outer_lr"):
-            _non_negative(name, getattr(self, name))
+            non_negative(name, getattr(self, name))
         for name in ("dn_buffer_size", "num_shards", "dn_c", "schedule_steps"):
-            _non_negative(name, getattr(self, name))
+            non_negative(name, getattr(self, name))
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        _choice("compression", self.compression, COMPRESSIONS)
+        choice("compression", self.compression, COMPRESSIONS)
         if not 0 <= self.prune_fraction < 1:
             raise ConfigError(f"prune_fraction must be in [0, 1), got {self.prune_fraction}")
         if not 0 < self.inner_min_lr_ratio <= 1:
@@ -190,7 +160,7 @@ class RunSpec:
     def from_dict(cls, data: Any) -> RunSpec:
         """Rebuild from `to_dict()` output; unknown or ill-typed fields raise ConfigError."""
         return cls(
-            **_checked_fields(cls, data, "run config field", "run config must be a JSON object")
+            **checked_fields(cls, data, "run config field", "run config must be a JSON object")
         )
 
 
@@ -219,9 +189,11 @@ class SimSpec:
     ends and folds the new θ_global in once the all-reduce is done. `eager` starts it from the
     outer step previewed with its own δ, `local` from its own last local θ."""
     overlap_fold: FoldRule = "rebase"
-    """How an overlapped phase folds θ_global in (`sim.worker.Fold`: rebase or mix)."""
+    """How an overlapped phase folds θ_global in (`sim.worker.Fold`: rebase or mix); the
+    swarm's default (SwarmSettings.overlap_fold)."""
     overlap_keep: float = 1.0
-    """The fold's share of the local progress kept (1: all of it; 0: restart from θ_global)."""
+    """The fold's share of the local progress kept (1: all of it; 0: restart from θ_global);
+    the swarm's default."""
     staleness_threshold: int = 10
     """async-polythres drops contributions staler than this."""
     drop_prob: float = 0.0
@@ -238,19 +210,19 @@ class SimSpec:
     """torch intra-op threads; 0 leaves torch's default."""
 
     def __post_init__(self) -> None:
-        _choice("algorithm", self.algo, SIM_ALGOS)
-        _choice("heterogeneity", self.heterogeneity, HETEROGENEITY)
-        _choice("compute schedule", self.compute_schedule, COMPUTE_SCHEDULES)
-        _choice("overlap rule", self.overlap, OVERLAP_RULES)
-        _choice("fold rule", self.overlap_fold, get_args(FoldRule))
+        choice("algorithm", self.algo, SIM_ALGOS)
+        choice("heterogeneity", self.heterogeneity, HETEROGENEITY)
+        choice("compute schedule", self.compute_schedule, COMPUTE_SCHEDULES)
+        choice("overlap rule", self.overlap, OVERLAP_RULES)
+        choice("fold rule", self.overlap_fold, get_args(FoldRule))
         if not (is_finite(self.overlap_keep) and 0 <= self.overlap_keep <= 1):
             raise ConfigError(f"overlap_keep must be in [0, 1], got {self.overlap_keep}")
-        _positive("workers", self.workers)
-        _positive("total_steps", self.total_steps)
+        positive("workers", self.workers)
+        positive("total_steps", self.total_steps)
         for name in ("jitter", "grace_s", "staleness_threshold", "pretrain_steps", "eval_every"):
-            _non_negative(name, getattr(self, name))
-        _finite("comm_s", self.comm_s, 0.0, strict=False)
-        _share("grace_share", self.grace_share)
+            non_negative(name, getattr(self, name))
+        finite("comm_s", self.comm_s, 0.0, strict=False)
+        share("grace_share", self.grace_share)
         if not 0 <= self.drop_prob < 1:
             raise ConfigError(f"drop_prob must be in [0, 1), got {self.drop_prob}")
         if self.compute_schedule != "constant" and self.algo != "sync":
@@ -264,29 +236,6 @@ class SimSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _share(name: str, value: float) -> None:
-    """A share of something: finite, in [0, 1)."""
-    if not (is_finite(value) and 0 <= value < 1):
-        raise ConfigError(f"{name} must be in [0, 1), got {value}")
-
-
-def is_finite(value: float) -> bool:
-    """math.isfinite, but False for an int beyond float range (JSON integers are unbounded, and
-    math.isfinite raises OverflowError on them)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _finite(name: str, value: float, minimum: float, strict: bool) -> None:
-    ok = is_finite(value) and (value > minimum if strict else value >= minimum)
-    if not ok:
-        raise ConfigError(
-            f"{name} must be a finite number {'>' if strict else '>='} {minimum}, got {value}"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,30 +289,43 @@ class SwarmSettings:
     below this is excluded (sign-flipped or random δs); -1 disables the check."""
     ban_rounds: int = 10
     """A peer whose contribution was excluded is banned for this many versions."""
+    overlap: bool = False
+    """Overlapped rounds (ALGORITHMS §1.1): a peer hands its δ to a round in the background
+    and trains its next phase at once from its own parameters, folding θ_global in when the
+    round ends. Off: every round blocks training until its outer step is applied."""
+    overlap_fold: FoldRule = "rebase"
+    """The overlapped fold: `rebase` (its δ is the phase's own progress, as a blocking δ) or
+    `mix` (Streaming DiLoCo's merge, nearer blocking in the simulator, but its δ carries half
+    the last outer step and honest peers' cosine screens excluded each other: ALGORITHMS §1.1)."""
+    overlap_keep: float = 1.0
+    """The fold's share κ of the local progress kept (`mix`: Streaming DiLoCo's α, 0.5)."""
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"unknown swarm protocol {self.protocol!r}; choose sync or async")
         if self.weighting not in get_args(Weighting):
             raise ConfigError(f"unknown weighting {self.weighting!r}; choose uniform or samples")
-        _finite("sync_timeout_s", self.sync_timeout_s, 0, strict=True)
-        _finite("allreduce_timeout_s", self.allreduce_timeout_s, 0, strict=True)
-        _finite("grace_s", self.grace_s, 0, strict=False)
-        _share("grace_share", self.grace_share)
+        finite("sync_timeout_s", self.sync_timeout_s, 0, strict=True)
+        finite("allreduce_timeout_s", self.allreduce_timeout_s, 0, strict=True)
+        finite("grace_s", self.grace_s, 0, strict=False)
+        share("grace_share", self.grace_share)
         if self.group_size < 1:
             raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(
                 f"unknown aggregation {self.aggregation!r}; choose {', '.join(AGGREGATIONS)}"
             )
-        _finite("norm_factor", self.norm_factor, 1, strict=True)
+        finite("norm_factor", self.norm_factor, 1, strict=True)
         if not (is_finite(self.min_cosine) and -1 <= self.min_cosine < 1):
             raise ConfigError(f"min_cosine must be in [-1, 1), got {self.min_cosine}")
         for name in ("staleness_limit", "checkpoint_every", "expected_peers", "eval_every",
                      "keep_updates", "ban_rounds"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        _finite("start_timeout_s", self.start_timeout_s, 0, strict=False)
+        finite("start_timeout_s", self.start_timeout_s, 0, strict=False)
+        choice("fold rule", self.overlap_fold, get_args(FoldRule))
+        if not (is_finite(self.overlap_keep) and 0 <= self.overlap_keep <= 1):
+            raise ConfigError(f"overlap_keep must be in [0, 1], got {self.overlap_keep}")
         if self.protocol == "async" and self.grace_s <= 0:
             raise ConfigError("async mode needs grace_s > 0: peers finishing together must meet")
 
@@ -378,7 +340,7 @@ class SwarmSettings:
     def from_dict(cls, data: Any) -> SwarmSettings:
         """Rebuild from `to_dict()` output; unknown or ill-typed fields raise ConfigError."""
         return cls(
-            **_checked_fields(
+            **checked_fields(
                 cls, data, "swarm setting", "swarm settings must be a table / JSON object"
             )
         )
@@ -480,8 +442,8 @@ class PeerSpec:
         if self.micro_batch_size < -1:
             raise ConfigError(f"--batch-size must be 'auto' or >= 0, got {self.micro_batch_size}")
         for name in ("max_rounds", "until_version", "until_steps", "threads"):
-            _non_negative(name, getattr(self, name))
-        _choice("device", self.device, get_args(Device))
+            non_negative(name, getattr(self, name))
+        choice("device", self.device, get_args(Device))
         if not (0 <= self.max_hours < float("inf")):
             raise ConfigError(f"--max-hours must be a finite number >= 0, got {self.max_hours}")
         if not -1 <= self.metrics_port <= 65535:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -63,6 +64,8 @@ class DemoSpec:
     """Give up (and stop every peer) after this long."""
     log_json: Path | None = None
     """Also append every peer's events here."""
+    overlap: bool = False
+    """Overlapped rounds (the manifest's swarm.overlap, ALGORITHMS §1.1)."""
 
     def __post_init__(self) -> None:
         if self.peers < 1 or self.rounds < 1:
@@ -94,6 +97,8 @@ class PeerRow:
     data_share: Any = None
     active_s: float | None = None
     compute_s: float | None = None
+    utilization: list[float] = field(default_factory=list)
+    """Compute seconds over wall seconds of each applied round (its event)."""
     idle_fraction: float | None = None
     dropped: int = 0
 
@@ -109,6 +114,8 @@ class PeerRow:
             self.rounds += 1
             self.loss, self.ppl = ev.get("loss"), ev.get("ppl")
             self.local_steps += ev.get("steps", 0)
+            if ev.get("utilization") is not None:
+                self.utilization.append(ev["utilization"])
         elif kind == "stop":
             self.ppl_stop = ev.get("ppl")
             self.applied_steps = ev.get("applied_steps")
@@ -134,6 +141,7 @@ class Demo:
         settings = dataclasses.replace(
             settings,
             expected_peers=spec.peers,
+            overlap=spec.overlap,
             sync_timeout_s=settings.sync_timeout_s * max(self.throttles),
         )
         run_spec = dataclasses.replace(run_spec, inner_steps=spec.inner_steps)
@@ -209,7 +217,8 @@ class Demo:
                  "state_hash": r.state_hash, "exit_code": codes[i],
                  "local_steps": r.local_steps, "throttle": self.throttles[i],
                  "active_s": r.active_s, "compute_s": r.compute_s,
-                 "idle_fraction": r.idle_fraction, "dropped": r.dropped}
+                 "idle_fraction": r.idle_fraction, "dropped": r.dropped,
+                 "utilization": statistics.median(r.utilization) if r.utilization else None}
                 for i, r in enumerate(rows)
             ],
             "final_version": final_version,
@@ -217,6 +226,7 @@ class Demo:
             "ppl_before": rows[0].ppl_start if rows else None,
             "ppl_after": ppl_after,
             "protocol": self.spec.protocol,
+            "overlap": self.spec.overlap,
             "heterogeneity": self.spec.heterogeneity,
             "applied_steps": max((r.applied_steps or 0 for r in rows), default=0),
             "shard_samples": next(

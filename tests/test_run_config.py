@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from diloco_peer.cli.sim_cmd import simulate
-from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings, default_run
+from diloco_peer.config import PeerSpec, RunSpec, SimSpec, SwarmSettings, default_run
 from diloco_peer.coordinator_free.manifest import dump_run_config, load_run_config
 from diloco_peer.errors import ConfigError
 
@@ -45,7 +45,14 @@ def test_a_grace_share_outside_zero_to_one_is_refused(share: float) -> None:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("expected_peers", -1), ("keep_updates", -1), ("eval_every", -2), ("start_timeout_s", -1.0)],
+    [
+        ("expected_peers", -1),
+        ("keep_updates", -1),
+        ("eval_every", -2),
+        ("start_timeout_s", -1.0),
+        ("overlap_keep", 1.5),
+        ("overlap_keep", float("nan")),
+    ],  # fmt: skip
 )
 def test_bad_swarm_settings_are_refused(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -74,6 +81,10 @@ def test_simulate_runs_the_swarms_preset() -> None:
             assert options[name].default.default == getattr(run, name), name
     assert options["grace_s"].default.default == swarm.grace_s
     assert options["grace_share"].default.default == swarm.grace_share
+    # the overlapped fold (issue 18), in the command and in SimSpec
+    for name in ("overlap_fold", "overlap_keep"):
+        assert options[name].default.default == getattr(swarm, name)
+        assert getattr(SimSpec(), name) == getattr(swarm, name), name
     # the schedule's length too: both at 0, each shard's cosine spans SHARD_SCHEDULE_STEPS in a
     # swarm (peer/phase.py) and in the simulator (sim/simulator.py, sim/async_run.py)
     assert options["schedule_steps"].default.default == run.schedule_steps == 0

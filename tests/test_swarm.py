@@ -195,12 +195,14 @@ ASYNC_FAST_RUN = FAST_RUN.replace("[swarm]", 'outer_optimizer = "delayed-nestero
 @pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("protocol", ["sync", "async"])
+@pytest.mark.parametrize("protocol", ["sync", "async", "sync-overlap", "async-overlap"])
 def test_killed_peers_cost_survivors_at_most_a_timed_out_round(
     swarm: LocalSwarm, tmp_path: Path, protocol: str
 ) -> None:
     cfg = tmp_path / "run.toml"
-    cfg.write_text(FAST_RUN if protocol == "sync" else ASYNC_FAST_RUN)
+    overlap = "overlap = true\n" if protocol.endswith("-overlap") else ""
+    protocol = protocol.removesuffix("-overlap")
+    cfg.write_text((FAST_RUN if protocol == "sync" else ASYNC_FAST_RUN) + overlap)
     until = ["--until-version", "14"]
     a, log_a = swarm.start("a", "--config", str(cfg), *until)
     maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
@@ -384,7 +386,10 @@ def test_announced_address_is_what_others_dial(swarm: LocalSwarm) -> None:
 @pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-def test_fork_is_healed_and_the_losers_delta_contributed_again(swarm: LocalSwarm) -> None:
+@pytest.mark.parametrize("overlap", [[], ["--overlap"]], ids=["blocking", "overlapped"])
+def test_fork_is_healed_and_the_losers_delta_contributed_again(
+    swarm: LocalSwarm, overlap: list[str]
+) -> None:
     # Both peers apply their first δ alone at version 0 (a test hook hides the other one), so
     # version 1 exists twice. The branch that wins (the longer one, or the larger hash at equal
     # length) is downloaded by the other peer, which puts its lost δ into its next group.
@@ -393,7 +398,7 @@ def test_fork_is_healed_and_the_losers_delta_contributed_again(swarm: LocalSwarm
     # a waits for b before its first round (the hook hides b only once a has trained): alone,
     # a reached version 4 in about 5 s, before b had finished its reachability probe, and
     # there was no fork to heal.
-    a, log_a = swarm.start("a", *NANO, "--expected-peers", "2", *until, *alone)
+    a, log_a = swarm.start("a", *NANO, "--expected-peers", "2", *until, *alone, *overlap)
     maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
     b, log_b = swarm.start("b", "--swarm", maddr, *until, *alone)
     assert a.wait(timeout=150) == 0 and b.wait(timeout=60) == 0

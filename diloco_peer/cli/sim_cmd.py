@@ -64,8 +64,8 @@ def simulate(
     grace_share: float = typer.Option(GRACE_SHARE, help="Async grace, share of a phase."),
     comm_s: float = typer.Option(0.0, help="Virtual seconds one all-reduce takes."),
     overlap: str = typer.Option("none", help="Train through the all-reduce: none|eager|local."),
-    overlap_fold: str = typer.Option("rebase", help="Overlap's fold of θ_global: rebase|mix."),
-    overlap_keep: float = typer.Option(1.0, help="Overlap's fold: share of local progress kept."),
+    overlap_fold: str = typer.Option(PRESET[1].overlap_fold, help="Overlap's fold: rebase|mix."),
+    overlap_keep: float = typer.Option(PRESET[1].overlap_keep, help="The fold's share κ kept."),
     staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
     drop_prob: float = typer.Option(0.0, help="Sync: chance a contribution is lost (Fig. 8)."),
     compute_schedule: str = typer.Option(

@@ -35,15 +35,14 @@ def join(
     run: str = typer.Option("default", help="Run name to found or join."),
     config: Path | None = typer.Option(None, help="run.toml ([run], [swarm]) when founding."),
     model: str | None = typer.Option(None, help="Founding only: model preset of the built-in run."),
-    inner_steps: int | None = typer.Option(
-        None, "--inner-steps", "-H", help="Founding only: H of the built-in run."
-    ),
+    inner_steps: int | None = typer.Option(None, "--inner-steps", "-H", help="Founding only: H."),
     protocol: str | None = typer.Option(
         None, help="Founding only: sync (DiLoCo) or async (DyLU + Delayed Nesterov)."
     ),
     expected_peers: int | None = typer.Option(
         None, help="Founding only: peers the run expects (first round waits for them)."
     ),
+    overlap: bool = typer.Option(False, "--overlap", help="Founding only: overlapped rounds."),
     host: str = typer.Option("0.0.0.0", help="Interface to listen on."),
     port: int = typer.Option(0, help="TCP port (0 = any free)."),
     announce: list[str] = typer.Option([], help="Multiaddr others should dial (repeatable)."),
@@ -106,7 +105,7 @@ def join(
         tensorboard=_text(tensorboard), client_mode=client_mode,
         gpu_memory_fraction=gpu_memory_fraction, allowlist=_text(allowlist), owner=owner,
     )  # fmt: skip
-    founding = _founding(spec, config, model, inner_steps, protocol, expected_peers)
+    founding = _founding(spec, config, model, inner_steps, protocol, (expected_peers, overlap))
     _train(spec, founding, (fault, chaos), quiet)
 
 
@@ -129,20 +128,22 @@ def _founding(
     model: str | None,
     inner_steps: int | None,
     protocol: str | None,
-    expected_peers: int | None,
+    peers_overlap: tuple[int | None, bool],
 ) -> tuple[RunSpec, SwarmSettings] | None:
     """The run a founding peer publishes (built-in, or --config) with the founding flags
-    applied; None when joining, where those flags are refused."""
+    applied (`peers_overlap`: --expected-peers, --overlap); None when joining, where those
+    flags are refused."""
+    expected_peers, overlap = peers_overlap
     from diloco_peer.config import default_run
     from diloco_peer.coordinator_free.manifest import load_run_config
 
     if not spec.swarm and spec.client_mode:
         raise BadInput("--client-mode needs --swarm: the founder must accept connections")
     if spec.swarm:
-        if model or inner_steps or config or protocol or expected_peers is not None:
+        if model or inner_steps or config or protocol or expected_peers is not None or overlap:
             raise BadInput(
-                "--config, --model, --inner-steps, --protocol and --expected-peers only apply "
-                "when founding a swarm"
+                "--config, --model, --inner-steps, --protocol, --expected-peers and --overlap "
+                "only apply when founding a swarm"
             )
         return None
     if protocol not in (None, "sync", "async"):
@@ -157,6 +158,8 @@ def _founding(
     run_spec = dataclasses.replace(run_spec, **{k: v for k, v in overrides.items() if v})
     if expected_peers is not None:
         settings = dataclasses.replace(settings, expected_peers=expected_peers)
+    if overlap:
+        settings = dataclasses.replace(settings, overlap=True)
     if (settings.protocol == "async" and run_spec.outer_optimizer == "delayed-nesterov"
             and not run_spec.dn_buffer_size and not settings.expected_peers):  # fmt: skip
         # N = 1 applies each group member's share as its own Nesterov step: naive async,
@@ -231,6 +234,7 @@ def demo(
     ),
     timeout_s: float = typer.Option(1800.0, help="Give up (and stop every peer) after this long."),
     log_json: Path | None = typer.Option(None, help="Also write every peer's events here."),
+    overlap: bool = typer.Option(False, "--overlap", help="Train through each round's averaging."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON summary on stdout."),
 ) -> None:
     """A local swarm of real peer processes training the built-in run, with a summary."""
@@ -240,6 +244,7 @@ def demo(
     spec = DemoSpec(
         peers=peers, rounds=rounds, total_steps=total_steps, model=model, inner_steps=inner_steps,
         protocol=protocol, heterogeneity=heterogeneity, timeout_s=timeout_s, log_json=log_json,
+        overlap=overlap,
     )  # fmt: skip
     _stop_on_sigterm()
     with Demo(spec) as run:

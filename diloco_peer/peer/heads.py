@@ -44,10 +44,14 @@ class Activity:
     Every head says so, the heartbeat's too (a two-stage round outlasts a heartbeat period, and
     an async peer at our state must not apply its δ alone beside it)."""
 
+    training: bool = False
+    """A phase is under way (an overlapped round's end leaves its `eta` and `plan` alone)."""
+
     def idle(self) -> None:
         """The phase's samples are in the state now (or will never be): no longer in flight,
-        and no longer in a round."""
-        self.eta = None
+        and no longer in a round. A phase under way (overlapped rounds) stays in flight."""
+        if not self.training:
+            self.eta = None
         self.grouping = False
 
 
@@ -160,6 +164,23 @@ class HeadChannel:
             log.warning("[%s round=%d] %s", self.me[-6:], self._replica.version, e)
         if self._manifest is not None and not leaving:
             self._manifest.refresh(dht)
+
+    def wait_for_peers(self, want: int, timeout_s: float, stop: threading.Event) -> None:
+        """Before the first round: wait until `want` peers are live (bounded by `timeout_s`),
+        so that a swarm started together trains together instead of the first peer alone."""
+        deadline, shown, me = time.time() + timeout_s, -1, self._identity.peer_id_str
+        while want > 1 and not stop.is_set():
+            live = len(set(self.live()) | {me})
+            if live >= want:
+                return
+            if live != shown:
+                log.info("[%s] %d of %d expected peers are live; waiting", me[-6:], live, want)
+                shown = live
+            if time.time() > deadline:
+                log.warning("[%s] only %d of %d expected peers after %.0f s; training anyway",
+                            me[-6:], live, want, timeout_s)  # fmt: skip
+                return
+            stop.wait(1.0)
 
     def live(self) -> dict[str, records.PeerHead]:
         """Read the heads into the book; the live ones (HeadBook.live)."""

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from hivemind.utils import get_dht_time
@@ -149,6 +149,16 @@ def head_plan(plan: list[int], batch: int) -> dict[str, int]:
     return {str(s): n * batch for n, s in sorted(top, key=lambda x: x[1])}
 
 
+class Folds(Protocol):
+    """A round in flight whose θ_global a phase folds in (peer/overlap.py `Overlap`)."""
+
+    def begin_phase(self) -> bool: ...
+
+    def poll(self) -> bool: ...
+
+    def settle(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Controls:
     """How the rest of the peer steers a phase."""
@@ -239,22 +249,27 @@ class Phase:
 
     # ----- training
 
-    def train(self, steps: int, others: int = 0) -> tuple[Contribution, float]:
+    def train(
+        self, steps: int, others: int = 0, overlap: Folds | None = None
+    ) -> tuple[Contribution, float]:
         """One local phase of `steps` steps from the state's θ (one segment per shard, each at
-        its shard's own lr step, Eq. 3); async may extend it. Returns the contribution and the
-        mean loss. Raises PhasePaused or StopRequested."""
+        its shard's own lr step, Eq. 3); async may extend it. With a round in flight
+        (`overlap`), from the local parameters, folding the round's θ_global in at the first
+        step boundary after it ends (peer/overlap.py). Returns the contribution and the mean
+        loss. Raises PhasePaused or StopRequested."""
         plan = self.plan_shards(steps, others)
-        base = self.t.state.version
         done = [0] * len(plan)  # steps trained per shard in this phase
         self._last_step_t = time.perf_counter()
         phase_t0, offset = time.perf_counter(), [0]  # steps of the phase before the segment
-        on_step = self._step_callback(steps, phase_t0, offset)
+        on_step = self._step_callback(steps, phase_t0, offset, overlap)
         if not self.counters.started_training:
             self.counters.t_first_train = time.time()
+        self.activity.training = True
         self._announce(steps, plan)
         t0 = time.perf_counter()
         loss_sum = 0.0
-        self.t.trainer.load_params(self.t.state.theta)
+        if overlap is None or not overlap.begin_phase():
+            self.t.trainer.load_params(self.t.state.theta)
         try:
             for shard, count in enumerate(plan):
                 if count == 0:
@@ -267,15 +282,25 @@ class Phase:
                 offset[0] += count
         except _Pause as p:
             self.counters.compute_s += time.perf_counter() - t0
-            delta = self.t.trainer.delta_from(self.t.state.theta)
+            self.activity.training = False
+            if overlap is not None:
+                overlap.settle()
+            delta, base = self.t.trainer.delta_from(self.t.state.theta), self.t.state.version
             self.activity.idle()
             raise PhasePaused(Contribution(delta, base, self._samples(done), p.steps)) from None
+        except StopRequested:
+            self.activity.training = False
+            raise
         extra = self._extend(steps, done, on_step)
         if extra:
             loss_sum += extra[1] * extra[0]
             steps += extra[0]
-        delta = self.t.trainer.delta_from(self.t.state.theta)
         self.counters.compute_s += time.perf_counter() - t0
+        self.activity.training = False
+        if overlap is not None:  # a round still in flight: wait for it, fold at the end
+            overlap.settle()
+        # the state the phase folded in (a blocking phase's: the one it started from)
+        delta, base = self.t.trainer.delta_from(self.t.state.theta), self.t.state.version
         # The eta (now past) and the plan stay in the head until the δ is applied or kept: a
         # head that catch-up publishes between the phase and the group search must not say
         # "not training", or a peer finishing at the same moment applies alone while this one
@@ -284,11 +309,13 @@ class Phase:
         return Contribution(delta, base, self._samples(done), steps), loss_sum / steps
 
     def _step_callback(
-        self, steps: int, phase_t0: float, offset: list[int]
+        self, steps: int, phase_t0: float, offset: list[int], overlap: Folds | None = None
     ) -> Callable[[int, float], None]:
         controls = self.controls
 
         def on_step(i: int, loss: float) -> None:
+            if overlap is not None:
+                overlap.poll()
             if controls.paused.is_set() and offset[0] + i < steps:
                 raise _Pause(offset[0] + i)
             if self.throttle > 1.0:  # emulate a slower device: pad the step just taken

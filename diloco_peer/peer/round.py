@@ -458,7 +458,7 @@ class Round:
             staleness=staleness, group_staleness=stalenesses, contributions=contributions,
             compute_s=self.counters.compute_s, wait_s=self.counters.wait_s,
             utilization=self.counters.utilization, dropped=self.counters.dropped,
-            speed=self.training.trainer.speed.steps_per_s,
+            speed=self.training.trainer.speed.steps_per_s, overlapped=self.activity.training,
             settle_s=None if ready is None else round(time.time() - ready, 3),
             commit_s=None if ready is None else round(shown - ready, 3),
             **{k: round(v, 3) for k, v in (timings or {}).items()},

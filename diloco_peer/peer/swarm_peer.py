@@ -47,6 +47,7 @@ from diloco_peer.peer import peer_checkpoint
 from diloco_peer.peer.catch_up import Accept, CatchUp
 from diloco_peer.peer.certify import Certifier
 from diloco_peer.peer.dashboard import DashboardServer, serve_dashboard
+from diloco_peer.peer.delta import Contribution
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.faults import FaultPlan
 from diloco_peer.peer.heads import Activity, Facts, HeadChannel, Heartbeat
@@ -63,6 +64,7 @@ from diloco_peer.peer.network import (
     run_prefix,
     start_lifeline,
 )
+from diloco_peer.peer.overlap import Overlap
 from diloco_peer.peer.phase import Controls, Phase, PhasePaused, StopRequested, build_training
 from diloco_peer.peer.replica import Replica, prepare_record_dir
 from diloco_peer.peer.round import Ledger, Round, RoundOutcome
@@ -111,6 +113,7 @@ class SwarmPeer:
         self.lifeline: Lifeline | None = None
         self.tensorboard = TensorBoard(None)
         self._ready = False  # set once start() succeeded: only then may shutdown() checkpoint
+        self._checkpoint_due = False  # overlapped rounds: saved at the next phase's end
 
     # ----- control (any thread)
 
@@ -219,6 +222,7 @@ class SwarmPeer:
             controls=Controls(self._stop, self._paused, self.on_step, self.heads.publish,
                               self.heads.view),
         )  # fmt: skip
+        self.overlap = Overlap(trainer, lambda: self.state.theta, swarm)
         self.round = Round(
             me=self.peer_id, swarm=swarm, replica=self.replica, training=self.training,
             guard=self.guard, averager=lambda: self._network().averager, heads=self.heads,
@@ -268,22 +272,28 @@ class SwarmPeer:
 
     def run_loop(self) -> None:
         try:
-            self.wait_for_expected_peers()
+            if not self.counters.started_training:  # a swarm started together trains together
+                self.heads.wait_for_peers(self.swarm.expected_peers, self.swarm.start_timeout_s,
+                                          self._stop)  # fmt: skip
             while not self.finished():
                 if self._paused.is_set():
+                    self.overlap.wait()  # the round in flight ends first
                     self._pause()
                     continue
                 try:
                     self.run_round()
                 except PhasePaused as p:  # kept: contributed after the pause (stale, not lost)
                     self.ledger.add(p.partial)
+            self.overlap.wait()
             self._settle()
         except StopRequested:
-            pass
+            self.overlap.wait()  # its δ is applied or kept before the checkpoint
 
     def run_round(self) -> RoundOutcome | None:
-        """One round; None when the run reached its end before δ could be contributed."""
-        self.catch_up()
+        """One phase and its round; None when the run reached its end before δ could be
+        contributed, or when the round runs in the background (`swarm.overlap`)."""
+        if not self.overlap.in_flight:  # a round in flight catches up itself
+            self.catch_up()
         if self.finished():
             return None
         view = self.heads.view()
@@ -291,10 +301,20 @@ class SwarmPeer:
             self.phase.plan_steps(view),
             self.phase.unseen_steps(view, self.round.co_planners),
         )
-        fresh, loss = self.phase.train(steps, others)
+        fresh, loss = self.phase.train(steps, others, self.overlap if self.swarm.overlap else None)
         self.counters.last_loss = loss
         mine = self.ledger.take(fresh)  # with what a failed or losing group left
         t0 = time.time()
+        if self._checkpoint_due:  # overlapped: at a phase's end, AdamW and the data at rest
+            self._checkpoint_due = False
+            self.save_checkpoint()
+        if self.swarm.overlap:  # the next phase trains while this round runs
+            self.overlap.start(lambda: self.contribute(mine, loss, t0))
+            return None
+        return self.contribute(mine, loss, t0)
+
+    def contribute(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome | None:
+        """Catch up, then the round of `mine` (in the background under `swarm.overlap`)."""
         self.catch_up()  # peers may have moved on while we trained
         if self.finished():  # the swarm reached the run's end while we trained
             log.info("[%s] the run reached its end; last δ not contributed", self._tag())
@@ -303,7 +323,9 @@ class SwarmPeer:
         outcome = self.round.run(mine, loss, t0)
         if outcome.report is not None:
             every = self.swarm.checkpoint_every
-            if every and self.counters.rounds_done % every == 0:
+            if every and self.counters.rounds_done % every == 0 and self.swarm.overlap:
+                self._checkpoint_due = True
+            elif every and self.counters.rounds_done % every == 0:
                 self.save_checkpoint()
             self.on_round(outcome.report)
         return outcome
@@ -346,29 +368,6 @@ class SwarmPeer:
     def applied_steps(self) -> int:
         """Local steps the swarm state holds, all peers together (from the shard counters)."""
         return sum(self.state.shard_samples) // self.run.batch_size
-
-    def wait_for_expected_peers(self) -> None:
-        """Before the first round: wait until `expected_peers` are live (bounded), so that a
-        swarm started together trains together instead of the first peer running alone."""
-        want = self.swarm.expected_peers
-        if want <= 1 or self.counters.started_training:
-            return
-        deadline = time.time() + self.swarm.start_timeout_s
-        shown = -1
-        while not self._stop.is_set():
-            live = len(set(self.heads.live()) | {self.peer_id})
-            if live >= want:
-                return
-            if live != shown:
-                log.info("[%s] %d of %d expected peers are live; waiting", self._tag(), live, want)
-                shown = live
-            if time.time() > deadline:
-                log.warning(
-                    "[%s] only %d of %d expected peers after %.0f s; training anyway",
-                    self._tag(), live, want, self.swarm.start_timeout_s,
-                )  # fmt: skip
-                return
-            self._stop.wait(1.0)
 
     def _settle(self) -> None:
         """At the run's end (--until-version/--until-steps), stay live for a moment and heal a

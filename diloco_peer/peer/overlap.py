@@ -1,0 +1,126 @@
+"""Overlapped rounds (ALGORITHMS §1.1): a round runs in the background while the next phase trains.
+
+The training thread hands a finished phase's δ to `Overlap.start` (the round: catch up, find a
+group, all-reduce, apply the outer step) and starts the next phase at once from its own
+parameters. At every step boundary the phase asks `poll()`; once the round is over, the new
+θ_global is folded into the running parameters (`InnerTrainer.rebase`):
+
+- the round applied an update holding our δ: the swarm's fold rule (`mix`: Streaming DiLoCo's
+  merge θ_local ← θ + κ·(θ_local − θ); `rebase`: θ_local ← θ + κ·(θ_local − b));
+- it did not (kept for the next group, dropped, the run ended): rebase with κ = 1, so that the
+  previous phase's progress leaves the parameters (it rides in the δ ledger, or is lost as a
+  dropped δ is in a blocking round) and only this phase's is measured.
+
+The phase's δ is then measured against the state folded in. A phase that ends before its round
+waits for it (`settle`) and folds at its end. Only when the local replica learns of θ_global
+changes: the replicated state, its hash, certificates and catch-up are the blocking round's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+
+from diloco_peer.config import SwarmSettings
+from diloco_peer.peer.inner import InnerTrainer
+from diloco_peer.peer.round import RoundOutcome
+
+log = logging.getLogger(__name__)
+
+JOIN_POLL_S = 0.5
+"""How often a wait for the round wakes up (the round itself is bounded by its timeouts)."""
+
+
+class Overlap:
+    """At most one round in flight, and the fold of its result (see the module docstring)."""
+
+    def __init__(
+        self, trainer: InnerTrainer, theta: Callable[[], list[torch.Tensor]], swarm: SwarmSettings
+    ) -> None:
+        self.trainer, self._theta = trainer, theta
+        self.fold_rule, self.keep = swarm.overlap_fold, swarm.overlap_keep
+        self._thread: threading.Thread | None = None
+        self._outcome: RoundOutcome | None = None
+        self._error: BaseException | None = None
+        self._base: list[torch.Tensor] | None = None
+        """b: the parameters the phase after the handed-off one started from."""
+        self.folds = 0
+
+    @property
+    def in_flight(self) -> bool:
+        """A round was handed off and not yet folded in or waited for."""
+        return self._thread is not None
+
+    def start(self, work: Callable[[], RoundOutcome | None]) -> None:
+        """Run `work` (one round) in the background."""
+        if self._thread is not None:
+            raise RuntimeError("a round is already in flight")
+        self._outcome, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="round", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], RoundOutcome | None]) -> None:
+        try:
+            self._outcome = work()
+        except BaseException as e:  # handed to the training thread, raised there
+            self._error = e
+
+    def begin_phase(self) -> bool:
+        """At a phase's start: True when it starts from the current local parameters (a round
+        is still in flight), False when it starts from θ_global as a blocking phase does (no
+        round, or it is over already: τ = 0, nothing to fold)."""
+        if self._thread is None:
+            return False
+        if not self._thread.is_alive():
+            self._finish()
+            return False
+        self._base = [p.detach().clone() for p in self.trainer.params]
+        return True
+
+    def poll(self) -> bool:
+        """At a step boundary: fold the round's result in if it is over. True if it did."""
+        if self._thread is None or self._thread.is_alive() or self._base is None:
+            return False
+        self._fold(self._finish())
+        return True
+
+    def settle(self) -> None:
+        """At a phase's end (or a pause inside it): wait for the round and fold its result."""
+        if self._thread is None:
+            return
+        outcome = self.wait()
+        if self._base is not None:
+            self._fold(outcome)
+
+    def wait(self) -> RoundOutcome | None:
+        """Wait for the round in flight (if any) without folding: the next phase starts from
+        θ_global. Raises what the round raised."""
+        if self._thread is None:
+            return None
+        while self._thread.is_alive():
+            self._thread.join(JOIN_POLL_S)
+        return self._finish()
+
+    def _finish(self) -> RoundOutcome | None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            self._base = None
+            raise error
+        return self._outcome
+
+    def _fold(self, outcome: RoundOutcome | None) -> None:
+        base, self._base = self._base, None
+        theta = self._theta()
+        if outcome is not None and outcome.applied and self.fold_rule == "mix":
+            self.trainer.rebase(theta, theta, self.keep)
+        elif outcome is not None and outcome.applied:
+            self.trainer.rebase(theta, base or theta, self.keep)
+        else:  # not applied: this phase's progress only, on the state as it is now
+            self.trainer.rebase(theta, base or theta, 1.0)
+        self.folds += 1

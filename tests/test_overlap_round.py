@@ -1,0 +1,219 @@
+"""Overlapped rounds in the swarm (peer/overlap.py, ALGORITHMS §1.1): the fold's rule as pure
+logic, then real peers that train through their rounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco_peer.config import SwarmSettings
+from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
+from diloco_peer.peer.events import read_log
+from diloco_peer.peer.inner import InnerTrainer
+from diloco_peer.peer.overlap import Overlap
+from diloco_peer.peer.round import RoundOutcome, RoundStatus
+from diloco_peer.peer.telemetry import RoundReport
+
+
+class _Params:
+    """The part of InnerTrainer the fold touches: its parameters and its `rebase`."""
+
+    rebase = InnerTrainer.rebase
+
+    def __init__(self, value: float) -> None:
+        self.params = [torch.full((3,), value)]
+
+
+def _overlap(local: float, theta: float, fold: str = "mix", keep: float = 0.5):
+    trainer = _Params(local)
+    state = [torch.full((3,), theta)]
+    swarm = SwarmSettings(overlap=True, overlap_fold=fold, overlap_keep=keep)
+    return trainer, state, Overlap(trainer, lambda: state, swarm)  # type: ignore[arg-type]
+
+
+def _value(trainer: _Params) -> float:
+    return float(trainer.params[0][0])
+
+
+APPLIED = RoundOutcome(
+    RoundStatus.COMMITTED,
+    RoundReport(version=1, state_hash="h", group_size=2, loss=1.0, ppl=None, comm_s=0.1,
+                bytes_sent=0, bytes_received=0, steps=10, staleness=0, members=["a", "b"]),
+)  # fmt: skip
+KEPT = RoundOutcome(RoundStatus.KEPT, reason="no group")
+
+
+def _round_in_flight(overlap: Overlap, outcome: RoundOutcome | None) -> threading.Event:
+    """Hand a round to `overlap` that returns `outcome` once the event is set."""
+    release = threading.Event()
+
+    def work() -> RoundOutcome | None:
+        assert release.wait(10)
+        return outcome
+
+    overlap.start(work)
+    return release
+
+
+def _end(overlap: Overlap) -> None:
+    """Wait until the round thread is done (poll folds only then)."""
+    deadline = time.time() + 10
+    while overlap._thread is not None and overlap._thread.is_alive():  # noqa: SLF001
+        assert time.time() < deadline
+        time.sleep(0.01)
+
+
+def test_applied_round_is_mixed_in_at_the_first_step_boundary_after_it_ends() -> None:
+    trainer, state, overlap = _overlap(local=1.0, theta=0.0, fold="mix", keep=0.5)
+    release = _round_in_flight(overlap, APPLIED)
+    assert overlap.begin_phase()  # in flight: the phase starts from its own parameters
+    trainer.params[0] += 1.0  # a step: local 2.0
+    assert not overlap.poll()  # the round is still running: nothing folded
+    state[0].fill_(4.0)  # the round's outer step, then it ends
+    release.set()
+    _end(overlap)
+    assert overlap.poll() and not overlap.in_flight
+    assert _value(trainer) == pytest.approx(4.0 + 0.5 * (2.0 - 4.0))  # θ + κ(x − θ)
+    assert not overlap.poll()  # once
+
+
+def test_rebase_rule_moves_the_progress_since_the_phase_began_onto_the_new_state() -> None:
+    trainer, state, overlap = _overlap(local=1.0, theta=0.0, fold="rebase", keep=0.5)
+    release = _round_in_flight(overlap, APPLIED)
+    assert overlap.begin_phase()  # b = 1.0
+    trainer.params[0] += 2.0  # local 3.0: progress 2.0
+    state[0].fill_(5.0)
+    release.set()
+    overlap.settle()  # at the phase's end
+    assert _value(trainer) == pytest.approx(5.0 + 0.5 * 2.0)
+
+
+@pytest.mark.parametrize("outcome", [KEPT, RoundOutcome(RoundStatus.DROPPED), None])
+def test_a_round_that_applied_nothing_leaves_only_this_phases_progress(
+    outcome: RoundOutcome | None,
+) -> None:
+    # The previous phase's progress (local 1.0 against θ 0.0) is in the δ ledger (kept), lost
+    # (dropped) or never contributed (the run ended): the parameters keep only this phase's.
+    trainer, state, overlap = _overlap(local=1.0, theta=0.0, fold="mix", keep=0.5)
+    release = _round_in_flight(overlap, outcome)
+    assert overlap.begin_phase()
+    trainer.params[0] += 0.25
+    release.set()
+    overlap.settle()
+    assert _value(trainer) == pytest.approx(0.25)
+
+
+def test_a_round_over_before_the_next_phase_is_not_folded_the_phase_loads_the_state() -> None:
+    trainer, _, overlap = _overlap(local=1.0, theta=7.0)
+    _round_in_flight(overlap, APPLIED).set()
+    _end(overlap)
+    assert not overlap.begin_phase()  # τ = 0: the blocking phase (it loads θ_global itself)
+    assert not overlap.in_flight and _value(trainer) == 1.0
+
+
+def test_what_the_round_raised_is_raised_in_the_training_thread() -> None:
+    _, _, overlap = _overlap(local=1.0, theta=0.0)
+    release = threading.Event()
+
+    def work() -> RoundOutcome:
+        assert release.wait(10)
+        raise RuntimeError("the round broke")
+
+    overlap.start(work)
+    assert overlap.begin_phase()
+    release.set()
+    with pytest.raises(RuntimeError, match="the round broke"):
+        overlap.settle()
+    assert not overlap.in_flight
+    overlap.start(lambda: (_ for _ in ()).throw(RuntimeError("again")))
+    _end(overlap)
+    with pytest.raises(RuntimeError, match="again"):  # a phase that begins after it: at once
+        overlap.begin_phase()
+
+
+def test_one_round_in_flight_at_most() -> None:
+    _, _, overlap = _overlap(local=1.0, theta=0.0)
+    release = _round_in_flight(overlap, APPLIED)
+    with pytest.raises(RuntimeError):
+        overlap.start(lambda: APPLIED)
+    release.set()
+    assert overlap.wait() is APPLIED
+
+
+# ----- real peers
+
+
+def _demo(protocol: str, tmp: Path) -> tuple[dict, list[dict]]:
+    log = tmp / f"demo-{protocol}.jsonl"
+    out = subprocess.run(
+        [*PEER_COMMAND, "demo", "--peers", "3", "--rounds", "6", "--model", "nano",
+         "--inner-steps", "20", "--protocol", protocol, "--overlap", "--json",
+         "--timeout-s", "200", "--log-json", str(log)],
+        capture_output=True, text=True, timeout=230, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout), read_log(log)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(260)
+@pytest.mark.parametrize("protocol", ["sync", "async"])
+def test_peers_train_through_their_rounds_and_agree(protocol: str, tmp_path: Path) -> None:
+    doc, events = _demo(protocol, tmp_path)
+    assert doc["overlap"] and doc["hashes_agree"], doc
+    assert doc["final_version"] >= 6 and doc["ppl_after"] < doc["ppl_before"] / 5, doc
+    rounds = [e for e in events if e["event"] == "round"]
+    # The round ran while the next phase trained: the event says so, and it is the rule, not
+    # an accident (a peer's last round may end after its last phase).
+    overlapped = [e["overlapped"] for e in rounds]
+    assert sum(overlapped) >= len(rounds) // 2, overlapped
+    assert all(p["utilization"] is not None for p in doc["peers"]), doc["peers"]
+
+
+OVERLAP_RUN = """
+[run]
+model = "nano"
+inner_steps = 10
+warmup_steps = 5
+num_shards = 8
+
+[swarm]
+sync_timeout_s = 6.0
+allreduce_timeout_s = 6.0
+overlap = true
+"""
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(300)
+def test_a_late_joiner_and_a_killed_peer_leave_one_branch(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(OVERLAP_RUN)
+    until = ["--until-version", "12"]
+    a, log_a = swarm.start("a", "--config", str(cfg), *until)
+    maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
+    b, log_b = swarm.start("b", "--swarm", maddr, *until)
+    c, log_c = swarm.start("c", "--swarm", maddr, *until)
+    swarm.wait_event(log_c, "round", 150, count=2)
+    # c's main process alone is killed (its DHT child is left behind, as after the OOM killer)
+    # while a round of its runs in the background of a phase
+    os.kill(c.pid, signal.SIGKILL)
+    d, log_d = swarm.start("d", "--swarm", maddr, *until)  # joins late: downloads the state
+    caught = swarm.wait_event(log_d, "catch_up", 150)
+    assert caught["version"] >= 2
+    for proc in (a, b, d):
+        assert proc.wait(timeout=200) == 0
+    branch = branches(log_a, log_b, log_d)
+    assert branch.one_branch, branch.conflicts
+    assert max(branch.agreed) >= 12
+    assert any(e["event"] == "round" and e["overlapped"] for e in read_log(log_d))
