@@ -46,8 +46,9 @@ CompressionName = Literal["none", "fp16", "int8", "int4"]
 ComputeSchedule = Literal["constant", "doubling", "halving", "ramp-up", "ramp-down"]
 OverlapRule = Literal["none", "eager", "local"]
 """Overlapped rounds (ALGORITHMS §1.1): off, or where the next phase starts before the fold."""
-FoldRule = Literal["rebase", "mix"]
-"""Overlap's fold of θ_global (ALGORITHMS §1.1): rebase, or mix (Streaming DiLoCo's merge)."""
+FoldRule = Literal["rebase", "mix", "pull"]
+"""Overlap's fold of θ_global (ALGORITHMS §1.1): rebase, mix (Streaming DiLoCo's merge), or pull
+(mix's parameters, but the δ is the phase's own progress)."""
 ShardMode = Literal["iid", "non-iid"]
 Protocol = Literal["sync", "async"]
 Weighting = Literal["uniform", "samples"]

@@ -27,6 +27,7 @@ class _Params:
     """The part of InnerTrainer the fold touches: its parameters and its `rebase`."""
 
     rebase = InnerTrainer.rebase
+    snapshot = InnerTrainer.snapshot
 
     def __init__(self, value: float) -> None:
         self.params = [torch.full((3,), value)]
@@ -94,6 +95,22 @@ def test_rebase_rule_moves_the_progress_since_the_phase_began_onto_the_new_state
     release.set()
     overlap.settle()  # at the phase's end
     assert _value(trainer) == pytest.approx(5.0 + 0.5 * 2.0)
+
+
+def test_pull_mixes_the_parameters_but_reports_the_phases_own_progress() -> None:
+    trainer, state, overlap = _overlap(local=1.0, theta=0.0, fold="pull", keep=0.5)
+    release = _round_in_flight(overlap, APPLIED)
+    assert overlap.begin_phase()  # b = 1.0
+    trainer.params[0] += 1.0  # progress 1.0 before the fold: local 2.0
+    state[0].fill_(4.0)
+    release.set()
+    _end(overlap)
+    assert overlap.poll()
+    assert _value(trainer) == pytest.approx(3.0)  # mix's parameters: 4 + 0.5 (2 - 4)
+    trainer.params[0] += 0.5  # progress 0.5 after it: local 3.5
+    delta = overlap.report([state[0] - trainer.params[0]])  # θ − θ_local = 0.5, as sent:
+    assert float(delta[0][0]) == pytest.approx(-1.5)  # minus the phase's progress, 1.0 + 0.5
+    assert overlap.report([torch.zeros(3)])[0].eq(0).all()  # once
 
 
 @pytest.mark.parametrize("outcome", [KEPT, RoundOutcome(RoundStatus.DROPPED), None])

@@ -163,8 +163,10 @@ def test_the_fold_rules_give_other_runs_on_the_same_clock(small_run: RunSpec) ->
     )  # the default fold
     half = _simulate(small_run, overlap_keep=0.5, **kwargs)
     mix = _simulate(small_run, overlap_fold="mix", overlap_keep=0.5, **kwargs)
-    assert rebase["sim_time"] == half["sim_time"] == mix["sim_time"]
-    assert len({rebase["final_ppl"], half["final_ppl"], mix["final_ppl"]}) == 3
+    pull = _simulate(small_run, overlap_fold="pull", overlap_keep=0.5, **kwargs)
+    assert rebase["sim_time"] == half["sim_time"] == mix["sim_time"] == pull["sim_time"]
+    ppls = {rebase["final_ppl"], half["final_ppl"], mix["final_ppl"], pull["final_ppl"]}
+    assert len(ppls) == 4 and all(math.isfinite(p) for p in ppls)
 
 
 def test_the_two_rules_start_from_different_places(small_run: RunSpec) -> None:

@@ -64,7 +64,7 @@ def simulate(
     grace_share: float = typer.Option(GRACE_SHARE, help="Async grace, share of a phase."),
     comm_s: float = typer.Option(0.0, help="Virtual seconds one all-reduce takes."),
     overlap: str = typer.Option("none", help="Train through the all-reduce: none|eager|local."),
-    overlap_fold: str = typer.Option(PRESET[1].overlap_fold, help="Overlap's fold: rebase|mix."),
+    overlap_fold: str = typer.Option(PRESET[1].overlap_fold, help="Fold: rebase|mix|pull."),
     overlap_keep: float = typer.Option(PRESET[1].overlap_keep, help="The fold's share κ kept."),
     staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
     drop_prob: float = typer.Option(0.0, help="Sync: chance a contribution is lost (Fig. 8)."),

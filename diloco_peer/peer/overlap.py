@@ -5,8 +5,9 @@ group, all-reduce, apply the outer step) and starts the next phase at once from 
 parameters. At every step boundary the phase asks `poll()`; once the round is over, the new
 θ_global is folded into the running parameters (`InnerTrainer.rebase`):
 
-- the round applied an update holding our δ: the swarm's fold rule (`mix`: Streaming DiLoCo's
-  merge θ_local ← θ + κ·(θ_local − θ); `rebase`: θ_local ← θ + κ·(θ_local − b));
+- the round applied an update holding our δ: the swarm's fold rule (`rebase`: θ_local ← θ +
+  κ·(θ_local − b); `mix`: Streaming DiLoCo's merge θ_local ← θ + κ·(θ_local − θ); `pull`: mix's
+  parameters, and the δ sent is the phase's own progress, `report`);
 - it did not (kept for the next group, dropped, the run ended): rebase with κ = 1, so that the
   previous phase's progress leaves the parameters (it rides in the δ ledger, or is lost as a
   dropped δ is in a blocking round) and only this phase's is measured.
@@ -47,6 +48,8 @@ class Overlap:
         self._error: BaseException | None = None
         self._base: list[torch.Tensor] | None = None
         """b: the parameters the phase after the handed-off one started from."""
+        self._correction: list[torch.Tensor] | None = None
+        """`pull`: what the phase's δ gains (`report`)."""
         self.folds = 0
 
     @property
@@ -114,13 +117,30 @@ class Overlap:
             raise error
         return self._outcome
 
+    def report(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The phase's δ as sent: θ − θ_local, plus what `pull` adds so that it is the
+        phase's own progress (ALGORITHMS §1.1)."""
+        correction, self._correction = self._correction, None
+        if correction is None:
+            return delta
+        return [d + c for d, c in zip(delta, correction, strict=True)]
+
     def _fold(self, outcome: RoundOutcome | None) -> None:
         base, self._base = self._base, None
         theta = self._theta()
-        if outcome is not None and outcome.applied and self.fold_rule == "mix":
+        base = base or [t.to(self.trainer.params[0].device) for t in theta]
+        applied = outcome is not None and outcome.applied
+        if not applied:  # this phase's progress only, on the state as it is now
+            self.trainer.rebase(theta, base, 1.0)
+        elif self.fold_rule == "rebase":
+            self.trainer.rebase(theta, base, self.keep)
+        elif self.fold_rule == "mix":
             self.trainer.rebase(theta, theta, self.keep)
-        elif outcome is not None and outcome.applied:
-            self.trainer.rebase(theta, base or theta, self.keep)
-        else:  # not applied: this phase's progress only, on the state as it is now
-            self.trainer.rebase(theta, base or theta, 1.0)
+        else:  # pull: mix's parameters; the δ gains (θ_after − θ) + (b − θ_before)
+            before = self.trainer.snapshot()
+            self.trainer.rebase(theta, theta, self.keep)
+            self._correction = [
+                a - t.to(torch.float32) + b.to("cpu", torch.float32) - f
+                for a, t, b, f in zip(self.trainer.snapshot(), theta, base, before, strict=True)
+            ]
         self.folds += 1

@@ -158,6 +158,8 @@ class Folds(Protocol):
 
     def settle(self) -> None: ...
 
+    def report(self, delta: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
 
 @dataclass(frozen=True)
 class Controls:
@@ -195,6 +197,7 @@ class Phase:
         self.controls = controls
         self._last_step_t = 0.0
         self._eta_checked = 0.0  # perf_counter of the last _refresh_eta check
+        self._compute_mark = 0.0  # perf_counter up to which compute_s counts this phase
 
     # ----- planning
 
@@ -266,7 +269,7 @@ class Phase:
             self.counters.t_first_train = time.time()
         self.activity.training = True
         self._announce(steps, plan)
-        t0 = time.perf_counter()
+        self._compute_mark = time.perf_counter()
         loss_sum = 0.0
         if overlap is None or not overlap.begin_phase():
             self.t.trainer.load_params(self.t.state.theta)
@@ -281,11 +284,11 @@ class Phase:
                 loss_sum += loss * count
                 offset[0] += count
         except _Pause as p:
-            self.counters.compute_s += time.perf_counter() - t0
+            self._charge()
             self.activity.training = False
             if overlap is not None:
                 overlap.settle()
-            delta, base = self.t.trainer.delta_from(self.t.state.theta), self.t.state.version
+            delta, base = self._delta(overlap), self.t.state.version
             self.activity.idle()
             raise PhasePaused(Contribution(delta, base, self._samples(done), p.steps)) from None
         except StopRequested:
@@ -295,12 +298,12 @@ class Phase:
         if extra:
             loss_sum += extra[1] * extra[0]
             steps += extra[0]
-        self.counters.compute_s += time.perf_counter() - t0
+        self._charge()
         self.activity.training = False
         if overlap is not None:  # a round still in flight: wait for it, fold at the end
             overlap.settle()
         # the state the phase folded in (a blocking phase's: the one it started from)
-        delta, base = self.t.trainer.delta_from(self.t.state.theta), self.t.state.version
+        delta, base = self._delta(overlap), self.t.state.version
         # The eta (now past) and the plan stay in the head until the δ is applied or kept: a
         # head that catch-up publishes between the phase and the group search must not say
         # "not training", or a peer finishing at the same moment applies alone while this one
@@ -323,12 +326,25 @@ class Phase:
                     (self.throttle - 1.0) * (time.perf_counter() - self._last_step_t)
                 )
             self._last_step_t = time.perf_counter()
+            self._charge()
             self._refresh_eta(offset[0] + i, steps, phase_t0)
             controls.on_step(min(offset[0] + i, steps), steps, loss)
             if controls.stop.is_set():
                 raise StopRequested
 
         return on_step
+
+    def _delta(self, overlap: Folds | None) -> list[torch.Tensor]:
+        """δ = θ_global − θ_local (as an overlapped fold reports it)."""
+        delta = self.t.trainer.delta_from(self.t.state.theta)
+        return delta if overlap is None else overlap.report(delta)
+
+    def _charge(self) -> None:
+        """Count the seconds trained since the last mark in `compute_s` (step by step, so that
+        the round thread of an overlapped round reads it current)."""
+        now = time.perf_counter()
+        self.counters.compute_s += now - self._compute_mark
+        self._compute_mark = now
 
     def _announce(self, steps: int, plan: list[int]) -> None:
         """Async: tell the swarm when this phase should end (async groups wait only for peers

@@ -67,8 +67,15 @@ class Fold:
     keep: float = 1.0
 
     def apply(self, trainer: InnerTrainer, theta: Sequence[torch.Tensor],
-              base: Sequence[torch.Tensor]) -> None:  # fmt: skip
-        trainer.rebase(theta, theta if self.rule == "mix" else base, self.keep)
+              base: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:  # fmt: skip
+        """Fold `theta` in. `pull` (mix's parameters) returns what its δ adds to θ − θ_local
+        so that it is the phase's own progress: (θ_after − θ) + (base − θ_before)."""
+        before = trainer.snapshot() if self.rule == "pull" else None
+        trainer.rebase(theta, base if self.rule == "rebase" else theta, self.keep)
+        if before is None:
+            return None
+        return [a - t + b - f for a, t, b, f
+                in zip(trainer.snapshot(), theta, base, before, strict=True)]  # fmt: skip
 
 
 def overlapped_phase(
@@ -95,11 +102,16 @@ def overlapped_phase(
         trainer.load_params(start_from)
     base = trainer.snapshot()
     loss, samples = trainer.train(fold_after, next_batches, schedule, start_step)
-    fold.apply(trainer, theta, base)
+    correction = fold.apply(trainer, theta, base)
     rest = steps - fold_after
     if rest <= 0:
-        return PhaseResult(trainer.delta_from(theta), steps, samples, loss, 0.0)
-    tail = trainer.run_phase(theta, rest, next_batches, schedule, start_step + fold_after,
-                             from_local=True)  # fmt: skip
-    mean_loss = (loss * fold_after + tail.mean_loss * rest) / steps
-    return PhaseResult(tail.delta, steps, samples + tail.samples, mean_loss, tail.seconds)
+        delta = trainer.delta_from(theta)
+        seconds, tail_samples, mean_loss = 0.0, 0, loss
+    else:
+        tail = trainer.run_phase(theta, rest, next_batches, schedule, start_step + fold_after,
+                                 from_local=True)  # fmt: skip
+        delta, seconds, tail_samples = tail.delta, tail.seconds, tail.samples
+        mean_loss = (loss * fold_after + tail.mean_loss * rest) / steps
+    if correction is not None:
+        delta = [d + c for d, c in zip(delta, correction, strict=True)]
+    return PhaseResult(delta, steps, samples + tail_samples, mean_loss, seconds)
