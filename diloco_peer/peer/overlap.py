@@ -87,16 +87,18 @@ class Overlap:
         """At a step boundary: fold the round's result in if it is over. True if it did."""
         if self._thread is None or self._thread.is_alive() or self._base is None:
             return False
-        self._fold(self._finish())
+        base, self._base = self._base, None
+        self._fold(self._finish(), base)
         return True
 
     def settle(self) -> None:
         """At a phase's end (or a pause inside it): wait for the round and fold its result."""
         if self._thread is None:
             return
+        base, self._base = self._base, None
         outcome = self.wait()
-        if self._base is not None:
-            self._fold(outcome)
+        if base is not None:
+            self._fold(outcome, base)
 
     def wait(self) -> RoundOutcome | None:
         """Wait for the round in flight (if any) without folding: the next phase starts from
@@ -125,10 +127,8 @@ class Overlap:
             return delta
         return [d + c for d, c in zip(delta, correction, strict=True)]
 
-    def _fold(self, outcome: RoundOutcome | None) -> None:
-        base, self._base = self._base, None
+    def _fold(self, outcome: RoundOutcome | None, base: list[torch.Tensor]) -> None:
         theta = self._theta()
-        base = base or [t.to(self.trainer.params[0].device) for t in theta]
         applied = outcome is not None and outcome.applied
         if not applied:  # this phase's progress only, on the state as it is now
             self.trainer.rebase(theta, base, 1.0)
