@@ -59,6 +59,20 @@ def small_dataset() -> TokenDataset:
     return build_dataset(r.data, r.tokenizer, r.seq_len, r.val_sequences, r.max_tokens, r.seed)
 
 
+FAST_RUN = """
+[run]
+model = "nano"
+inner_steps = 10
+warmup_steps = 5
+num_shards = 8
+
+[swarm]
+sync_timeout_s = 6.0
+allreduce_timeout_s = 6.0
+"""
+"""A run.toml for multi-peer tests: nano, H = 10, short timeouts (sync)."""
+
+
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     """Peers of run `t` on 127.0.0.1 (quiet, one thread each), their logs in the test's folder;

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST_RUN
 
 from diloco_peer.config import SwarmSettings
 from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
@@ -195,18 +196,7 @@ def test_peers_train_through_their_rounds_and_agree(protocol: str, tmp_path: Pat
     assert all(p["utilization"] is not None for p in doc["peers"]), doc["peers"]
 
 
-OVERLAP_RUN = """
-[run]
-model = "nano"
-inner_steps = 10
-warmup_steps = 5
-num_shards = 8
-
-[swarm]
-sync_timeout_s = 6.0
-allreduce_timeout_s = 6.0
-overlap = true
-"""
+OVERLAP_RUN = FAST_RUN + "overlap = true\n"
 
 
 @pytest.mark.multipeer

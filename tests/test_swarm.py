@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import DemoRun
+from conftest import FAST_RUN, DemoRun
 
 from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
 from diloco_peer.peer.events import read_log
@@ -171,19 +171,6 @@ def test_a_joiner_started_before_its_swarm_answers_tries_again_and_joins(
     rounds = [e for e in read_log(jlog) if e["event"] == "round"]
     assert rounds and rounds[0]["group_size"] == 2, rounds
     assert owner.peer_id_str in rounds[0]["members"], rounds
-
-
-FAST_RUN = """
-[run]
-model = "nano"
-inner_steps = 10
-warmup_steps = 5
-num_shards = 8
-
-[swarm]
-sync_timeout_s = 6.0
-allreduce_timeout_s = 6.0
-"""
 
 
 ASYNC_FAST_RUN = FAST_RUN.replace("[swarm]", 'outer_optimizer = "delayed-nesterov"\n\n[swarm]') + (

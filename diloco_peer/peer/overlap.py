@@ -50,7 +50,6 @@ class Overlap:
         """b: the parameters the phase after the handed-off one started from."""
         self._correction: list[torch.Tensor] | None = None
         """`pull`: what the phase's δ gains (`report`)."""
-        self.folds = 0
 
     @property
     def in_flight(self) -> bool:
@@ -143,4 +142,3 @@ class Overlap:
                 a - t.to(torch.float32) + b.to("cpu", torch.float32) - f
                 for a, t, b, f in zip(self.trainer.snapshot(), theta, base, before, strict=True)
             ]
-        self.folds += 1
