@@ -143,8 +143,11 @@ def summarize(runs: list[dict[str, Any]], target_ppl: float | None) -> dict[str,
             m = [r for r in mine if r["mode"] == mode]
             for r in m:
                 r["reach_s"] = time_to(r, target) if target else None
+            failed = sum(1 for r in runs if (r["protocol"], r["mode"]) == (protocol, mode)
+                         and not r["ok"])  # fmt: skip
             rows[mode] = {
-                "runs": len(m), "ppl": [r["ppl"] for r in m], "ppl_median": median([r["ppl"] for r in m]),
+                "runs": len(m), "failed": failed,
+                "ppl": [r["ppl"] for r in m], "ppl_median": median([r["ppl"] for r in m]),
                 "utilization_min": [r["utilization_min"] for r in m],
                 "utilization_median": median([r["utilization_median"] for r in m]),
                 "run_utilization_median": median([r["run_utilization_median"] for r in m]),
@@ -161,6 +164,7 @@ def summarize(runs: list[dict[str, Any]], target_ppl: float | None) -> dict[str,
                 and min(o["utilization_min"]) >= UTILIZATION_MIN,
                 "ppl": ratio is not None and ratio <= PPL_RATIO_MAX,
                 "one_state": b["one_state"] and o["one_state"],
+                "all_finished": not (b["failed"] or o["failed"]),
             },
         }  # fmt: skip
     return out
@@ -191,7 +195,8 @@ def render(doc: dict[str, Any]) -> str:
         for mode in ("blocking", "overlapped"):
             r = s[mode]
             lines.append(
-                f"| {protocol} | {mode} | {', '.join(_f(p) for p in r['ppl'])} | "
+                f"| {protocol} | {mode} | {', '.join(_f(p) for p in r['ppl'])}"
+                f"{'; did not finish: ' + str(r['failed']) if r.get('failed') else ''} | "
                 f"{', '.join(_f(u) for u in r['utilization_min'])} | "
                 f"{_f(r['utilization_median'])} / {_f(r['run_utilization_median'])} | "
                 f"{_f(r['round_over_phase'], 2)} | {', '.join(_f(t, 0) for t in r['reach_s'])} | "
@@ -205,7 +210,8 @@ def render(doc: dict[str, Any]) -> str:
             f"(medians) {_f(s['ppl_ratio'], 4)} (need <= {PPL_RATIO_MAX}): "
             f"{'pass' if c['ppl'] else 'FAIL'}; overlapped utilization >= {UTILIZATION_MIN} in "
             f"every run: {'pass' if c['utilization'] else 'FAIL'}; one state: "
-            f"{'pass' if c['one_state'] else 'FAIL'}."
+            f"{'pass' if c['one_state'] else 'FAIL'}; every run finished: "
+            f"{'pass' if c['all_finished'] else 'FAIL'}."
         )
     return "\n".join(lines) + "\n"
 
@@ -217,6 +223,7 @@ def main() -> int:
     p.add_argument("--total-steps", type=int, default=1600)
     p.add_argument("--mbit", type=float, default=10.0)
     p.add_argument("--protocols", default="sync,async")
+    p.add_argument("--modes", default="blocking,overlapped", help="which of the two to run")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--target-ppl", type=float, default=None)
     p.add_argument("--timeout-s", type=float, default=1800.0)
@@ -231,7 +238,7 @@ def main() -> int:
         hosts = [lab.add_host(up_mbit=a.mbit, down_mbit=a.mbit) for _ in range(PEERS)]
         for rep in range(a.repeats):
             for protocol in a.protocols.split(","):
-                for overlap in (False, True):
+                for overlap in [m == "overlapped" for m in a.modes.split(",")]:
                     name = f"{protocol}-{'ov' if overlap else 'bl'}-{rep}"
                     say(f"{name}: starting")
                     run = one_run(a, hosts, protocol, overlap, folder / name, name.replace("-", ""))

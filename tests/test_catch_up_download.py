@@ -271,3 +271,27 @@ def test_replays_that_fail_on_the_way_still_find_out_that_our_version_lost_a_for
     moved = part.run(choice(["d1", "d2"]), probe_fork=False)
     assert [c[0] for c in downloads.calls] == ["update", "update", "multi"]
     assert moved is not None and not moved.lost_fork
+
+
+def test_download_timeouts_grow_with_what_a_download_may_weigh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a fixed 10 s failed every replay of a 1.4 MB update that three peers fetched over one
+    # 3 Mbit link (netlab): the bound is the floor, or the most bytes at 0.5 Mbit/s
+    from diloco_peer.peer import catch_up
+
+    asked: dict[str, float] = {}
+    monkeypatch.setattr(catch_up, "download_update",
+                        lambda *a, timeout_s, **k: asked.setdefault("update", timeout_s))  # fmt: skip
+    monkeypatch.setattr(catch_up, "download_state",
+                        lambda *a, timeout_s, **k: asked.setdefault("state", timeout_s))  # fmt: skip
+    small = catch_up.SwarmDownloads(None, "run", max_state_bytes=1000, max_update_bytes=500)  # type: ignore[arg-type]
+    small.update("donor", 3)
+    small.state("donor")
+    assert asked == {"update": catch_up.UPDATE_TIMEOUT_S, "state": catch_up.STATE_TIMEOUT_S}
+    asked.clear()
+    mib = 1 << 20
+    big = catch_up.SwarmDownloads(None, "run", max_state_bytes=600 * mib, max_update_bytes=3 * mib)  # type: ignore[arg-type]
+    big.update("donor", 3)
+    big.state("donor")
+    assert asked == {"update": 48.0, "state": 9600.0}  # 3 MiB, 600 MiB at 64 KiB/s

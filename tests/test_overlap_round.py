@@ -18,10 +18,11 @@ from conftest import FAST_RUN
 from diloco_peer.config import SwarmSettings
 from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
 from diloco_peer.peer.events import read_log
+from diloco_peer.peer.heads import Activity
 from diloco_peer.peer.inner import InnerTrainer
 from diloco_peer.peer.overlap import Overlap
 from diloco_peer.peer.round import RoundOutcome, RoundStatus
-from diloco_peer.peer.telemetry import RoundReport
+from diloco_peer.peer.telemetry import Counters, RoundReport
 
 
 class _Params:
@@ -38,7 +39,8 @@ def _overlap(local: float, theta: float, fold: str = "mix", keep: float = 0.5):
     trainer = _Params(local)
     state = [torch.full((3,), theta)]
     swarm = SwarmSettings(overlap=True, overlap_fold=fold, overlap_keep=keep)
-    return trainer, state, Overlap(trainer, lambda: state, swarm)  # type: ignore[arg-type]
+    overlap = Overlap(trainer, lambda: state, swarm, Activity(), Counters())  # type: ignore[arg-type]
+    return trainer, state, overlap
 
 
 def _value(trainer: _Params) -> float:
@@ -157,6 +159,48 @@ def test_what_the_round_raised_is_raised_in_the_training_thread() -> None:
         overlap.begin_phase()
 
 
+def test_a_peer_is_in_a_round_from_the_hand_off_until_the_round_ends() -> None:
+    # its head says "in a group" while its next phase trains: async peers wait for it
+    activity = Activity(training=True, eta=123.0)
+    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], SwarmSettings(overlap=True),  # type: ignore[arg-type]
+                      activity, Counters())  # fmt: skip
+
+    def work() -> RoundOutcome:
+        assert activity.grouping  # already at the hand-off, before the group search
+        activity.idle()  # what the round does when it ends
+        return APPLIED
+
+    overlap.start(work)
+    assert overlap.wait() is APPLIED
+    assert not activity.grouping and activity.eta == 123.0  # the running phase's eta stays
+
+
+def test_a_rounds_waits_count_as_idle_only_while_the_training_thread_waits_for_it() -> None:
+    counters = Counters(started_training=True, t_first_train=time.time() - 100.0)
+    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], SwarmSettings(overlap=True),  # type: ignore[arg-type]
+                      Activity(), counters)  # fmt: skip
+
+    def waits(seconds: float) -> RoundOutcome:
+        counters.wait_s += seconds  # what the round's group search and all-reduce add
+        return APPLIED
+
+    overlap.start(lambda: waits(30.0))  # over while the next phase trained: folded by poll
+    _end(overlap)
+    overlap.begin_phase()
+    assert counters.wait_s == 30.0 and counters.hidden_wait_s == 30.0
+    assert counters.idle_fraction() == pytest.approx(0.0, abs=1e-3)
+    release = _round_in_flight(overlap, APPLIED)  # the phase ends first and waits for it
+    threading.Timer(0.3, release.set).start()
+    overlap.settle()
+    assert counters.hidden_wait_s == 30.0  # that round added no waits of its own
+    overlap.start(lambda: (time.sleep(0.3), waits(10.0))[1])  # 10 s of waits, 0.3 s blocked
+    overlap.wait()
+    assert 39.0 < counters.hidden_wait_s <= 39.7  # 0.3 s or more of it was not hidden
+    assert counters.idle_fraction() == pytest.approx(
+        (40.0 - counters.hidden_wait_s) / 100, abs=0.01
+    )
+
+
 def test_one_round_in_flight_at_most() -> None:
     _, _, overlap = _overlap(local=1.0, theta=0.0)
     release = _round_in_flight(overlap, APPLIED)
@@ -193,6 +237,10 @@ def test_peers_train_through_their_rounds_and_agree(protocol: str, tmp_path: Pat
     # an accident (a peer's last round may end after its last phase).
     overlapped = [e["overlapped"] for e in rounds]
     assert sum(overlapped) >= len(rounds) // 2, overlapped
+    # ...and the peers still met: a peer whose round is in flight says it is in a group, so an
+    # async peer does not apply alone beside it (Overlap.start)
+    grouped = [e["group_size"] > 1 for e in rounds]
+    assert sum(grouped) >= len(rounds) // 2, [e["group_size"] for e in rounds]
     assert all(p["utilization"] is not None for p in doc["peers"]), doc["peers"]
 
 

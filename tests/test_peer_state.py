@@ -95,6 +95,41 @@ def test_a_pause_mid_phase_keeps_the_partial_delta_and_a_stop_ends_the_phase(
         phase_of(run, manifest(run), stop=stop).train(5)
 
 
+class _RoundInFlight:
+    """A round in flight (phase.Folds) that never folds anything: the phase trains on."""
+
+    def begin_phase(self) -> bool:
+        return True
+
+    def poll(self) -> bool:
+        return False
+
+    def settle(self) -> None:
+        pass
+
+    def report(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        return delta
+
+
+@pytest.mark.timeout(120)
+def test_an_overlapped_phase_ends_when_its_round_reaches_the_runs_end(run: RunSpec) -> None:
+    # the round in the background applied the run's last update after 2 steps: the rest of
+    # the phase would never be applied, so it ends there with what it did (as a pause does)
+    asked = [0]  # asked after every step
+
+    def ended() -> bool:
+        asked[0] += 1
+        return asked[0] >= 2
+
+    phase = phase_of(run, manifest(run), run_ended=ended)
+    with pytest.raises(PhasePaused) as caught:
+        phase.train(5, overlap=_RoundInFlight())
+    assert caught.value.partial.steps == 2
+    # a blocking phase never asks (its round runs after it), nor does a stopping one
+    mine, _ = phase_of(run, manifest(run), run_ended=lambda: True).train(5)
+    assert mine.steps == 5
+
+
 MEMBER = Identity.generate()
 
 

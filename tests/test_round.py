@@ -393,6 +393,32 @@ def test_async_waits_only_for_peers_expected_soon() -> None:
     assert events.emitted[0][1]["reason"] == "none of 1 live peers expected"
 
 
+def test_an_overlapped_async_round_waits_for_peers_due_before_its_next_phase_ends() -> None:
+    # the other peer's phase ends in 40 s, past the grace period (12.5 s: half a 25 s phase)
+    later = {OTHER: {"speed": 2.0, "eta": time.time() + 40.0}}
+    part, _, _, _ = make_round(FakeAverager(AssertionError("not asked")), later, protocol="async")
+    assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.ALONE
+    # ...but our next phase trains for 100 s behind this round: waiting is free until 70 s
+    averager = FakeAverager(result([ME.peer_id_str, OTHER]))
+    part, _, _, _ = make_round(averager, later, protocol="async")
+    part.activity.training, part.activity.eta = True, time.time() + 100.0
+    assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.COMMITTED
+    assert averager.calls[0]["matchmaking_timeout_s"] == pytest.approx(70.0, abs=1.0)
+    assert Activity(training=False, eta=time.time() + 100.0).free_wait_s(time.time()) == 0.0
+
+
+def test_async_with_nobody_to_wait_for_follows_a_peer_that_moved_on_before_going_alone() -> None:
+    # netlab, overlapped: a peer caught up, then another committed alone before our group
+    # search; applying alone at the old version forked the state. Catch up, then try there.
+    busy = {OTHER: {"speed": 1.0, "eta": 1e12}}
+    moved = iter([True, False])
+    part, _, _, events = make_round(FakeAverager(AssertionError("not asked")), busy,
+                                    protocol="async", catch_up=lambda: next(moved))  # fmt: skip
+    assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.ALONE
+    assert events.names() == ["alone", "round"]  # once, after the catch-up
+    assert next(moved, None) is None  # asked twice: before each lone decision
+
+
 def test_async_without_a_group_retries_at_a_new_head_or_while_a_peer_is_grouping() -> None:
     grouping = {OTHER: {"in_group": True, "speed": 1.0}}
     moved = iter([True, False, False, False])

@@ -39,11 +39,21 @@ Accept = Callable[[SwarmView, HeadChoice], bool]
 group's update: `SwarmView.follows_while_awaiting`)."""
 
 STATE_TIMEOUT_S = 120.0
-"""One full-state download (single donor or all of them)."""
+"""One full-state download (single donor or all of them), at least."""
 UPDATE_TIMEOUT_S = 10.0
-"""One update of a replay."""
+"""One update of a replay, at least."""
 REPLAY_DONORS = 2
 """Donors a replay is tried from before falling back to the full state."""
+SLOWEST_BYTES_PER_S = 64 * 1024
+"""The slowest download a catch-up waits out (0.5 Mbit/s): a download's timeout is the longer
+of its floor above and the most bytes it may take at this rate. A fixed 10 s failed every
+replay of a 1.4 MB update when three peers fetched it over one 3 Mbit link (netlab), and the
+forks never healed. A donor that stops sending fails sooner (state_transfer's stall timeout)."""
+
+
+def download_timeout(floor_s: float, max_bytes: int) -> float:
+    """How long a download of at most `max_bytes` may take (SLOWEST_BYTES_PER_S)."""
+    return max(floor_s, max_bytes / SLOWEST_BYTES_PER_S)
 
 
 class Downloads(Protocol):
@@ -73,19 +83,22 @@ class SwarmDownloads:
 
     def update(self, donor: str, base_version: int) -> bytes:
         return download_update(
-            self.service, self.prefix, donor, base_version, timeout_s=UPDATE_TIMEOUT_S,
+            self.service, self.prefix, donor, base_version,
+            timeout_s=download_timeout(UPDATE_TIMEOUT_S, self.max_update_bytes),
             max_bytes=self.max_update_bytes,
         )  # fmt: skip
 
     def state(self, donor: str) -> StateBlob:
         return download_state(
-            self.service, self.prefix, donor, timeout_s=STATE_TIMEOUT_S,
+            self.service, self.prefix, donor,
+            timeout_s=download_timeout(STATE_TIMEOUT_S, self.max_state_bytes),
             max_bytes=self.max_state_bytes,
         )  # fmt: skip
 
     def state_multi(self, donors: Sequence[str], state_hash: str) -> StateBlob:
         return download_state_multi(
-            self.service, self.prefix, list(donors), state_hash, timeout_s=STATE_TIMEOUT_S,
+            self.service, self.prefix, list(donors), state_hash,
+            timeout_s=download_timeout(STATE_TIMEOUT_S, self.max_state_bytes),
             max_bytes=self.max_state_bytes,
         )  # fmt: skip
 

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import torch
 
 from diloco_peer.config import SwarmSettings
+from diloco_peer.peer.heads import Activity
 from diloco_peer.peer.inner import InnerTrainer
 from diloco_peer.peer.round import RoundOutcome
+from diloco_peer.peer.telemetry import Counters
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +42,15 @@ class Overlap:
     """At most one round in flight, and the fold of its result (see the module docstring)."""
 
     def __init__(
-        self, trainer: InnerTrainer, theta: Callable[[], list[torch.Tensor]], swarm: SwarmSettings
+        self,
+        trainer: InnerTrainer,
+        theta: Callable[[], list[torch.Tensor]],
+        swarm: SwarmSettings,
+        activity: Activity,
+        counters: Counters,
     ) -> None:
         self.trainer, self._theta = trainer, theta
+        self._activity, self._counters = activity, counters
         self.fold_rule, self.keep = swarm.overlap_fold, swarm.overlap_keep
         self._thread: threading.Thread | None = None
         self._outcome: RoundOutcome | None = None
@@ -50,6 +59,10 @@ class Overlap:
         """b: the parameters the phase after the handed-off one started from."""
         self._correction: list[torch.Tensor] | None = None
         """`pull`: what the phase's δ gains (`report`)."""
+        self._round_wait_s = 0.0
+        """What the round in flight added to `Counters.wait_s`."""
+        self._blocked_s = 0.0
+        """Seconds the training thread waited for the round in flight (`wait`)."""
 
     @property
     def in_flight(self) -> bool:
@@ -57,18 +70,27 @@ class Overlap:
         return self._thread is not None
 
     def start(self, work: Callable[[], RoundOutcome | None]) -> None:
-        """Run `work` (one round) in the background."""
+        """Run `work` (one round) in the background. From the hand-off the peer is in a round
+        (`Activity.grouping`, until the round ends): its head then says so while the next
+        phase's eta lies a phase ahead, and async peers at its state wait for it instead of
+        applying alone beside it (netlab, async: without this, nearly every round went alone
+        and the branches never healed)."""
         if self._thread is not None:
             raise RuntimeError("a round is already in flight")
+        self._activity.grouping = True
         self._outcome, self._error = None, None
+        self._round_wait_s, self._blocked_s = 0.0, 0.0
         self._thread = threading.Thread(target=self._run, args=(work,), name="round", daemon=True)
         self._thread.start()
 
     def _run(self, work: Callable[[], RoundOutcome | None]) -> None:
+        waited = self._counters.wait_s  # only this thread adds to it while the round runs
         try:
             self._outcome = work()
         except BaseException as e:  # handed to the training thread, raised there
             self._error = e
+        finally:
+            self._round_wait_s = self._counters.wait_s - waited
 
     def begin_phase(self) -> bool:
         """At a phase's start: True when it starts from the current local parameters (a round
@@ -104,14 +126,18 @@ class Overlap:
         θ_global. Raises what the round raised."""
         if self._thread is None:
             return None
+        t0 = time.perf_counter()
         while self._thread.is_alive():
             self._thread.join(JOIN_POLL_S)
+        self._blocked_s += time.perf_counter() - t0
         return self._finish()
 
     def _finish(self) -> RoundOutcome | None:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+            # the round's waits, less what the training thread waited for it, were hidden
+            self._counters.hidden_wait_s += max(0.0, self._round_wait_s - self._blocked_s)
         error, self._error = self._error, None
         if error is not None:
             self._base = None

@@ -54,8 +54,10 @@ class StopRequested(Exception):
 
 
 class PhasePaused(Exception):
-    """SIGUSR1 asked the peer to pause mid-phase; carries what the phase did so far (it is
-    contributed after the pause: stale, not lost)."""
+    """SIGUSR1 asked the peer to pause mid-phase, or the round an overlapped phase folded in
+    reached the run's end; carries what the phase did so far (kept: contributed after the
+    pause, stale, not lost; at the run's end it stays in the ledger as a blocking peer's last
+    δ does)."""
 
     def __init__(self, partial: Contribution) -> None:
         super().__init__(partial.steps)
@@ -172,6 +174,9 @@ class Controls:
     publish_head: Callable[[], None]
     view: Callable[[], SwarmView]
     """The swarm as the last head read saw it."""
+    run_ended: Callable[[], bool] = lambda: False
+    """The run reached its end: an overlapped phase stops then (its round reached it), rather
+    than train on for a δ nobody will apply."""
 
 
 class Phase:
@@ -319,7 +324,7 @@ class Phase:
         def on_step(i: int, loss: float) -> None:
             if overlap is not None:
                 overlap.poll()
-            if controls.paused.is_set() and offset[0] + i < steps:
+            if offset[0] + i < steps and (controls.paused.is_set() or self._ended(overlap)):
                 raise _Pause(offset[0] + i)
             if self.throttle > 1.0:  # emulate a slower device: pad the step just taken
                 controls.stop.wait(
@@ -333,6 +338,11 @@ class Phase:
                 raise StopRequested
 
         return on_step
+
+    def _ended(self, overlap: Folds | None) -> bool:
+        """Overlapped: the round in flight (or just folded in) reached the run's end, so the
+        rest of this phase would never be applied; it ends as a pause does (PhasePaused)."""
+        return overlap is not None and not self.controls.stop.is_set() and self.controls.run_ended()
 
     def _delta(self, overlap: Folds | None) -> list[torch.Tensor]:
         """δ = θ_global − θ_local (as an overlapped fold reports it)."""

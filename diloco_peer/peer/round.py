@@ -182,14 +182,16 @@ class Round:
         staleness = self.replica.version - mine.base_version
         if staleness > self.swarm.staleness_limit:
             return self._drop(mine, loss, staleness)
-        view = self.heads.view()
+        view, now = self.heads.view(), get_dht_time()
+        grace_s = max(self.training.grace_s(self.swarm, view), self.activity.free_wait_s(now))
         plan = group_plan(
-            view, asynchronous=self.asynchronous, now=get_dht_time(),
-            grace_s=self.training.grace_s(self.swarm, view), group_size=self.swarm.group_size,
-            sync_timeout_s=self.swarm.sync_timeout_s,
+            view, asynchronous=self.asynchronous, now=now, grace_s=grace_s,
+            group_size=self.swarm.group_size, sync_timeout_s=self.swarm.sync_timeout_s,
         )  # fmt: skip
         if plan is None:  # alone in the swarm (Lookahead mode), or nobody worth waiting for
             n = len(view.others())
+            if n and self.catch_up():  # a peer moved on since our last catch-up: follow it
+                return RoundOutcome(RoundStatus.RETRY)  # (applying alone here would fork)
             return self._alone(mine, loss, t0, f"none of {n} live peers expected" if n else "")
         key, offer, weight = self._offer(mine, announce=True, expected=len(plan.wait_for) + 1)
         waited = time.time()
@@ -304,16 +306,10 @@ class Round:
         return self.commit(mine, [self.me], None, loss, t0)
 
     def commit(
-        self,
-        mine: Contribution,
-        members: list[str],
-        result: GroupResult | None,
-        loss: float,
-        t0: float,
-        group_shards: dict[int, int] | None = None,
-        stalenesses: dict[str, int] | None = None,
-        combined: Combined | None = None,
-    ) -> RoundOutcome:
+        self, mine: Contribution, members: list[str], result: GroupResult | None, loss: float,
+        t0: float, group_shards: dict[int, int] | None = None,
+        stalenesses: dict[str, int] | None = None, combined: Combined | None = None,
+    ) -> RoundOutcome:  # fmt: skip
         """Apply the group's average (ours alone when `result` is None, the combination of
         several groups' with `combined`): v -> v+1, identical on every member."""
         ready = time.time()

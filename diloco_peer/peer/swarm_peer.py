@@ -220,9 +220,10 @@ class SwarmPeer:
             throttle=spec.throttle, activity=self.activity, counters=self.counters,
             in_flight=lambda counts, oldest: self.heads.book.in_flight(counts, time.time(), oldest),
             controls=Controls(self._stop, self._paused, self.on_step, self.heads.publish,
-                              self.heads.view),
+                              self.heads.view, self.finished),
         )  # fmt: skip
-        self.overlap = Overlap(trainer, lambda: self.state.theta, swarm)
+        self.overlap = Overlap(trainer, lambda: self.state.theta, swarm, self.activity,
+                               self.counters)  # fmt: skip
         self.round = Round(
             me=self.peer_id, swarm=swarm, replica=self.replica, training=self.training,
             guard=self.guard, averager=lambda: self._network().averager, heads=self.heads,
@@ -459,8 +460,8 @@ class SwarmPeer:
             "stop", version=self.state.version, state_hash=self.state.hash(),
             group_size=0, loss=c.last_loss, rounds_done=c.rounds_done,
             ppl=self.training.eval_ppl(), compute_s=c.compute_s, wait_s=c.wait_s,
-            dropped=c.dropped, shard_samples=self.state.shard_samples,
-            applied_steps=self.applied_steps(),
+            hidden_wait_s=c.hidden_wait_s, dropped=c.dropped,
+            shard_samples=self.state.shard_samples, applied_steps=self.applied_steps(),
             finite=all(bool(torch.isfinite(t).all()) for t in self.state.theta),
             bans=self.guard.head_bans(self.state.version) or {}, bans_total=self.guard.bans.total,
             data_share=[len(x) / len(self.training.data.train) for x in self.training.shards],

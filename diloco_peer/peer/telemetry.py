@@ -50,6 +50,9 @@ class Counters:
     """Seconds spent training."""
     wait_s: float = 0.0
     """Seconds spent waiting on other peers (groups, all-reduce, catch-up)."""
+    hidden_wait_s: float = 0.0
+    """Of `wait_s`, the seconds an overlapped round waited while the next phase trained (the
+    device was not idle: `idle_fraction` leaves them out)."""
     bytes_sent: int = 0
     bytes_received: int = 0
     last_loss: float | None = None
@@ -71,7 +74,7 @@ class Counters:
 
     def idle_fraction(self) -> float | None:
         active = self.active_s()
-        return self.wait_s / active if active > 0 else None
+        return max(0.0, self.wait_s - self.hidden_wait_s) / active if active > 0 else None
 
     def add_round(self, report: RoundReport, now: float | None = None) -> None:
         now = time.time() if now is None else now
