@@ -12,24 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import FAST_RUN
 
 from diloco_peer import procfs
 from diloco_peer.identity import Identity
 from diloco_peer.local_swarm import LocalSwarm, kill_main
 from diloco_peer.peer.events import read_log
 
-FAST_RUN = """
-[run]
-model = "nano"
-inner_steps = 10
-warmup_steps = 5
-num_shards = 8
-
-[swarm]
-sync_timeout_s = 6.0
-allreduce_timeout_s = 6.0
-checkpoint_every = 1
-"""
+RUN = FAST_RUN + "checkpoint_every = 1\n"
+"""FAST_RUN, checkpointing after every round."""
 
 
 def _until(check, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
@@ -76,7 +67,7 @@ def test_a_restart_ends_what_its_killed_incarnation_left_and_rejoins(
     swarm: LocalSwarm, tmp_path: Path
 ) -> None:
     cfg = tmp_path / "run.toml"
-    cfg.write_text(FAST_RUN)
+    cfg.write_text(RUN)
     a, log_a = swarm.start("a", "--config", str(cfg))
     maddr = swarm.wait_event(log_a, "start", 90, proc=a)["maddrs"][0]
     key, ckpt = tmp_path / "b.key", tmp_path / "b-ckpt"

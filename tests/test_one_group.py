@@ -8,23 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import FAST_RUN
 
 from diloco_peer.local_swarm import LocalSwarm, branches
 from diloco_peer.peer.events import read_log
 
-PAIRS_RUN = """
-[run]
-model = "nano"
-inner_steps = 10
-warmup_steps = 5
-num_shards = 8
-
-[swarm]
-sync_timeout_s = 6.0
-allreduce_timeout_s = 6.0
-group_size = 2
-expected_peers = 4
-"""
+PAIRS_RUN = FAST_RUN + "group_size = 2\nexpected_peers = 4\n"
 
 
 @pytest.mark.slow
