@@ -284,7 +284,8 @@ class SwarmSettings:
     """How each part reducer combines the members' δs: `mean`, or for open swarms the robust
     `trimmed-mean` (coordinate-wise) or `centered-clip` (averaging/robust.py)."""
     norm_factor: float = 4.0
-    """A contribution whose declared δ norm exceeds this x the group's median is excluded."""
+    """A contribution whose declared δ norm exceeds this x the group's median, and also this x
+    the median norm per declared step, is excluded (`contribution.norm_outliers`)."""
     min_cosine: float = 0.02
     """In groups of 3+, a part whose cosine with the coordinate-wise median of the others' is
     below this is excluded (sign-flipped or random δs); -1 disables the check."""
@@ -352,8 +353,9 @@ def default_run(
 ) -> tuple[RunSpec, SwarmSettings]:
     """The built-in run (tiny model, built-in corpus, byte tokens): sync DiLoCo, or async with
     Delayed Nesterov; both at outer lr 0.7 (a group of N is one Nesterov step under DN, §2.2).
-    `simulate` takes its defaults from it, the schedule's length included (docs/results.md)."""
-    run = RunSpec(model=model, warmup_steps=20, num_shards=DEFAULT_SHARDS,
+    `simulate` takes its defaults from it, the schedule's length and RunSpec's warm-up of 50
+    steps included (better than 20 for both protocols: docs/results.md, issue 17)."""
+    run = RunSpec(model=model, num_shards=DEFAULT_SHARDS,
                   outer_optimizer="delayed-nesterov" if protocol == "async" else "nesterov")  # fmt: skip
     return run, SwarmSettings(
         protocol="sync" if protocol == "sync" else "async",

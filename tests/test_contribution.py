@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from diloco_peer.averaging.contribution import (
     SAMPLES_BOUND_PHASES,
     SAMPLES_WEIGHT_CAP,
+    STEPS_NORM_CAP,
     ContributionHeader,
     ContributionRejected,
     Limits,
@@ -22,6 +23,7 @@ from diloco_peer.averaging.contribution import (
     delta_digest,
     group_weights,
     new_nonce,
+    norm_outliers,
     samples_bound,
     screen_group,
     shapes_digest,
@@ -110,6 +112,37 @@ def test_a_contribution_outside_the_round_is_excluded(
     assert reason in screening.excluded[bad.peer]
     assert sorted(screening.accepted) == sorted(h.peer for h in honest)
     assert screening.banned == ({bad.peer} if banned else set())
+
+
+def test_a_long_delta_that_its_steps_explain_is_admitted() -> None:
+    """Seen in a real async swarm (heterogeneity very, warm-up 50): DyLU gave the fast peer about
+    50 steps and the others 18 and 7, and its δ, 4.6 x the group's median norm, was excluded and
+    banned for 10 versions. Per step it is within the bound, so it is admitted; the short δ is
+    never excluded for being short."""
+    fast = header(KEYS[0], steps=50, norm=3.514)
+    mid = header(KEYS[1], steps=18, norm=0.7667)
+    slow = header(KEYS[2], steps=7, norm=0.186)
+    screening = screen_group(gathered(fast, mid, slow), ROUND)
+    assert screening.excluded == {} and screening.banned == frozenset()
+    assert norm_outliers({"a": fast, "b": mid, "c": slow}, 4.0) == {}
+
+
+def test_claiming_more_steps_buys_a_liar_at_most_the_steps_cap() -> None:
+    """A liar's claimed steps count only up to STEPS_NORM_CAP x the group's low median: its
+    allowance is norm_factor x STEPS_NORM_CAP x the median per step, however many it claims."""
+    honest = [header(k, steps=50, norm=1.0) for k in KEYS[:3]]
+    bound = 4.0 * STEPS_NORM_CAP  # x the median norm, for a liar claiming the most steps
+    for steps in (101, 1000, 10**6):
+        inside = header(KEYS[3], steps=steps, norm=0.99 * bound)
+        assert screen_group(gathered(*honest, inside), ROUND).excluded == {}
+        outside = header(KEYS[3], steps=steps, norm=1.01 * bound)
+        screening = screen_group(gathered(*honest, outside), ROUND)
+        assert list(screening.excluded) == [outside.peer]
+        assert "above 4 x median" in screening.excluded[outside.peer]
+        assert screening.banned == {outside.peer}
+    # a δ of the others' steps gets no more room than it always had
+    equal = header(KEYS[3], steps=50, norm=4.01)
+    assert list(screen_group(gathered(*honest, equal), ROUND).excluded) == [equal.peer]
 
 
 def test_forged_and_garbage_headers_are_excluded_and_never_banned() -> None:

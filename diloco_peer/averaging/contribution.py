@@ -372,6 +372,35 @@ def group_weights(
     return {p: max(1.0, min(float(h.samples), float(cap))) for p, h in headers.items()}
 
 
+STEPS_NORM_CAP = 2.0
+"""`norm_outliers`: a member's declared steps count toward its norm allowance up to this many
+times the group's low median steps. Under DyLU honest phases differ in length by the peers'
+speeds, and an honest δ's norm grows with its steps (faster than linearly while the learning rate
+warms up): on 2026-12-05 a fast peer's first δ (about 50 steps, norm 3.5) was 4.6 x the median
+of a group whose others had 18 and 7 steps, and was excluded and banned for 10 versions; its
+work piled up in its ledger and came back 568 steps long at staleness 8 (docs/results.md).
+Twice, as SAMPLES_WEIGHT_CAP: a liar that claims more steps than it made is admitted with at
+most norm_factor x 2 x the median norm, where the rule without steps admitted norm_factor x."""
+
+
+def norm_outliers(headers: Mapping[str, ContributionHeader], factor: float) -> dict[str, str]:
+    """The members whose declared δ norm is too long for the group, with the reason: above
+    `factor` x the group's median norm, and also above `factor` x the median norm per step
+    (each member's steps capped at STEPS_NORM_CAP x the group's low median steps). A δ within
+    either bound is admitted: a short δ is never excluded for being short, and a long one whose
+    length its steps explain is not excluded for its length."""
+    median = statistics.median(h.norm for h in headers.values())
+    cap = STEPS_NORM_CAP * statistics.median_low(max(1, h.steps) for h in headers.values())
+    per_step = {p: h.norm / min(max(1, h.steps), cap) for p, h in headers.items()}
+    median_step = statistics.median(per_step.values())
+    return {
+        p: f"norm {h.norm:.4g} above {factor:g} x median {median:.4g}, and per step "
+        f"{per_step[p]:.4g} above {factor:g} x median {median_step:.4g}"
+        for p, h in headers.items()
+        if h.norm > factor * median and per_step[p] > factor * median_step
+    }
+
+
 def screen_group(
     gathered: dict[str, bytes],
     rnd: Round,
@@ -386,7 +415,7 @@ def screen_group(
     order: signed header of that member, for this run and round, with a plausible base version
     and this δ layout; on the allowlist; nonce not replayed; not banned, nor named silent, by
     more than half of the other valid members; declared norm within norm_factor x the median of
-    the group's. Only a rule broken by the member's own signed header for this round bans
+    the group's, as it is or per step (`norm_outliers`). Only a rule broken by the member's own signed header for this round bans
     (`Screening.banned`).
     """
     accepted: dict[str, ContributionHeader] = {}
@@ -426,14 +455,10 @@ def screen_group(
     for member in excluded:
         accepted.pop(member, None)
     if len(accepted) >= 3:
-        median = statistics.median(h.norm for h in accepted.values())
-        for member, header in list(accepted.items()):
-            if header.norm > rnd.norm_factor * median:
-                excluded[member] = (
-                    f"norm {header.norm:.4g} above {rnd.norm_factor:g} x median {median:.4g}"
-                )
-                banned.add(member)
-                del accepted[member]
+        for member, reason in norm_outliers(accepted, rnd.norm_factor).items():
+            excluded[member] = reason
+            banned.add(member)
+            del accepted[member]
     weights = group_weights(accepted, rnd.weighting)
     return Screening(accepted, excluded, frozenset(banned), weights)
 
