@@ -415,8 +415,8 @@ def screen_group(
     order: signed header of that member, for this run and round, with a plausible base version
     and this δ layout; on the allowlist; nonce not replayed; not banned, nor named silent, by
     more than half of the other valid members; declared norm within norm_factor x the median of
-    the group's, as it is or per step (`norm_outliers`). Only a rule broken by the member's own signed header for this round bans
-    (`Screening.banned`).
+    the group's, as it is or per step (`norm_outliers`). Only a rule broken by the member's own
+    signed header for this round bans (`Screening.banned`).
     """
     accepted: dict[str, ContributionHeader] = {}
     excluded: dict[str, str] = {}
