@@ -60,6 +60,12 @@ class NoGroup(DilocoError):
     down. Nothing was exchanged; a lone peer may apply its own δ (DESIGN.md §3, k = 1)."""
 
 
+class GaveUp(NoGroup):
+    """The caller's `give_up` said to stop looking for a group (the swarm moved past this
+    peer's state) while nobody had joined this peer nor taken it in: nothing was exchanged, and
+    no group waits for it."""
+
+
 class CommitRefusal(IntEnum):
     """Why a group's leader did not count a member that acknowledged its group (commit.py)."""
 

@@ -10,9 +10,10 @@ every peer imports torch and hivemind meanwhile); the answer is {"op": "ready", 
 
     {"op": "average", "averager": "fp32"|"fp16"|"int8"|"int4"|"int8_prune50", "key": "v0", "seed": 1, "scale": 0.25,
      "shapes": [[3, 4], ...], "weight": 1.0, "target_size": 3, "matchmaking_timeout_s": 5,
-     "allreduce_timeout_s": 10, "die_after_group": false, "ack_delay_s": 0}
+     "allreduce_timeout_s": 10, "die_after_group": false, "ack_delay_s": 0,
+     "give_up_after_s": 1.0 (optional: `give_up` says True from then on)}
         -> {"op": "average", "ok": true, "sha256": ..., "path": <safetensors file>, ...}
-           or {"op": "average", "ok": false, "error": "NoGroup"|"LeftOut"|"AllReduceFailed",
+           or {"op": "average", "ok": false, "error": "NoGroup"|"LeftOut"|"GaveUp"|"AllReduceFailed",
                "refusal": <CommitRefusal name, for LeftOut>, ...}
     {"op": "quit"}
 
@@ -120,6 +121,9 @@ def run_average(
             matchmaking_timeout_s=cmd["matchmaking_timeout_s"],
             allreduce_timeout_s=cmd["allreduce_timeout_s"],
             admit=admit_with_keys if signed else None,
+            give_up=(lambda: time.perf_counter() - started > cmd["give_up_after_s"])
+            if "give_up_after_s" in cmd
+            else None,
         )
     except (NoGroup, AllReduceFailed) as e:
         time.sleep(float(cmd.get("linger_s", 0.0)))  # let the others' echoes reach me

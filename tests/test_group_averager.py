@@ -50,6 +50,7 @@ from diloco_peer.averaging.robust import reduce_part
 from diloco_peer.averaging.wire import PART_HEADER, PROTOCOL_VERSION, pack_answer
 from diloco_peer.errors import AllReduceFailed
 from diloco_peer.identity import Identity
+from diloco_peer.p2p.service import POLL_S
 
 PEER_SCRIPT = Path(__file__).with_name("_averager_peer.py")
 SHAPES = [[300_000], [17, 33], [5], [2, 3, 4]]
@@ -493,6 +494,23 @@ def test_lone_key_gets_no_group_while_others_pair(trio: list[Peer]) -> None:
     lone, *pair = run_round(trio, commands)
     assert not lone["ok"] and lone["error"] == "NoGroup", lone
     assert lone["elapsed_s"] <= timeout_s + SLACK_S, lone
+    check_round(trio[1:], pair, [12, 13], [1.0, 3.0], tolerance=1e-6)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(60)
+def test_a_lone_search_gives_up_when_asked_while_a_pair_averages(trio: list[Peer]) -> None:
+    """Peer 0, alone under its key, is told after 1 s that the swarm moved past its state: it
+    stops looking within a poll or two (GaveUp), not at its 20 s deadline; peers 1 and 2, under
+    another key, average as usual."""
+    commands = [
+        average_command("solo", 11, 1.0, matchmaking_timeout_s=20.0, give_up_after_s=1.0),
+        average_command("pair", 12, 1.0, matchmaking_timeout_s=3.0),
+        average_command("pair", 13, 3.0, matchmaking_timeout_s=3.0),
+    ]
+    lone, *pair = run_round(trio, commands)
+    assert not lone["ok"] and lone["error"] == "GaveUp", lone
+    assert lone["elapsed_s"] <= 1.0 + 2 * POLL_S + SLACK_S, lone
     check_round(trio[1:], pair, [12, 13], [1.0, 3.0], tolerance=1e-6)
 
 

@@ -13,10 +13,9 @@ import torch
 from diloco_peer.errors import ConfigError, PartStopped
 from diloco_peer.lifecycle import BackgroundPart, ready_now
 from diloco_peer.peer.chaos import Chaos
-from diloco_peer.peer.delta import Contribution
+from diloco_peer.peer.delta import Contribution, Ledger
 from diloco_peer.peer.faults import FaultPlan
 from diloco_peer.peer.heads import Heartbeat
-from diloco_peer.peer.round import Ledger
 
 
 def wait_until(condition, timeout_s: float = 5.0) -> bool:  # noqa: ANN001

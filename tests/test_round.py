@@ -26,11 +26,11 @@ from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
 from diloco_peer.errors import AllReduceFailed, CommitRefusal, LeftOut, NoGroup
 from diloco_peer.identity import Identity
 from diloco_peer.peer.certify import Certifier
-from diloco_peer.peer.delta import Contribution
+from diloco_peer.peer.delta import Contribution, Ledger
 from diloco_peer.peer.heads import Activity
 from diloco_peer.peer.phase import Training
 from diloco_peer.peer.replica import Replica
-from diloco_peer.peer.round import Ledger, Round, RoundStatus
+from diloco_peer.peer.round import Round, RoundStatus
 from diloco_peer.peer.telemetry import Counters, TensorBoard
 from diloco_peer.peer.trust import Guard
 

@@ -272,3 +272,28 @@ def test_a_larger_group_commits_beside_a_smaller_ones_version_and_wins_the_fork(
     assert all(m.version == 2 and m.state != lone for m in group)
     choice = sim.view(peers[0]).choose_head()
     assert choice is not None and choice.lost_fork  # the pair's branch lost the vote
+
+
+def test_a_search_nobody_joined_stops_once_a_quorum_moved_past_its_state() -> None:
+    """GroupAverager's `give_up` in the simulator: a sync peer searching alone at v1 while four
+    peers hold v2 stops at its next poll and keeps its δ, instead of waiting out the sync
+    timeout; while only one key's head is past v1, it searches on."""
+    sim = SwarmSim(SwarmSimSpec(peers=8, dht_delay_s=0.0, hierarchy="none"))
+    peers = [sim.new_peer() for _ in range(6)]
+    base = sim.history.commit(GENESIS, tuple(p.id for p in peers), (0,), now=0.0)
+    for p in peers:
+        _at(sim, p, base)
+    late = peers[5]
+    late.mine = Delta((10,), 1)
+    sim.contribute(late)
+    (forming,) = sim.lobbies[base]
+    assert forming.members == [late.id] and forming.deadline == sim.spec.sync_timeout_s
+    ahead = sim.history.commit(base, (peers[0].id,), (1,), now=0.0)
+    _at(sim, peers[0], ahead)
+    sim.give_up(forming)  # one key's head: the search goes on
+    assert not forming.closed and late.mine is not None
+    for p in peers[1:4]:
+        _at(sim, p, ahead)
+    sim.give_up(forming)
+    assert forming.closed and sim.tally.kept_why["no group"] == 1
+    assert late.mine is None and late.pending == Delta((10,), 1)

@@ -241,6 +241,20 @@ def test_a_member_waiting_for_its_groups_update_follows_only_its_delegate() -> N
     assert not half.follows_while_awaiting(choice, 3, D)  # 2 of 5: not most
 
 
+def test_a_search_for_a_group_stops_once_a_quorum_moved_past_our_state() -> None:
+    """The losers of a healed 2|2 partition, each alone under its key, waited out the sync
+    timeout while the winners went on: a state above ours that a quorum holds, or a fork at our
+    version we lose, supersedes ours. One key's head does not; nor a fork we win, nor peers
+    behind us or with us."""
+    assert view(head(A, 4, H1), head(B, 4, H1), head(C, 3), version=3).superseding() == (4, H1)
+    lost = view(head(A, 3, H2), head(B, 3, H2), version=3, state_hash=H1)
+    assert lost.superseding() == (3, H2)
+    assert view(head(A, 3, H1), head(B, 3, H2), version=3, state_hash=H2).superseding() is None
+    assert view(head(A, 1000, H1), head(B, 3), head(C, 3), version=3).superseding() is None
+    assert view(head(A, 3), head(B, 2), version=3).superseding() is None
+    assert view(version=3).superseding() is None  # alone
+
+
 def test_one_keys_head_is_never_downloaded_whole() -> None:
     """The hijack of issue 16: one head far ahead (a forged state at v+1000) against honest heads;
     or one head with another hash at our own version. Neither moves us; a quorum does."""

@@ -198,6 +198,7 @@ class GroupAverager(BackgroundPart):
         self._receipts = ReceiptDesk(service, prefix, on_proof or (lambda proof: None))
         self._peer_id: str | None = None
         self._busy = threading.Lock()  # one average() at a time
+        self._searching = False  # the running average() is looking for its group
         self._round: asyncio.Task[Any] | None = None  # in the loop: the running round
 
     @property
@@ -257,6 +258,7 @@ class GroupAverager(BackgroundPart):
         matchmaking_timeout_s: float,
         allreduce_timeout_s: float,
         admit: Callable[[Group], Admission] | None = None,
+        give_up: Callable[[], bool] | None = None,
     ) -> GroupResult:
         """Form a group with the peers calling with the same `key`, then average with it.
 
@@ -271,7 +273,9 @@ class GroupAverager(BackgroundPart):
         matchmaking_timeout_s + allreduce_timeout_s (plus a few seconds of daemon calls).
         Raises NoGroup if no other peer joined in time, LeftOut (a NoGroup) if a group formed
         without this peer, AllReduceFailed if the group did not complete its exchange (no
-        partial result is ever returned), ValueError on bad input.
+        partial result is ever returned), ValueError on bad input. `give_up`, asked in the
+        calling thread every few seconds while the group forms: once it says True, a search
+        that nobody has joined yet ends (GaveUp, a NoGroup).
         """
         if not isinstance(key, str) or not _NAME.fullmatch(key):
             raise ValueError(f"key must match {_NAME.pattern}, got {key!r}")
@@ -297,19 +301,15 @@ class GroupAverager(BackgroundPart):
         # the round bounds itself; this backstop adds the daemon calls' bounds and some slack
         budget_s = matchmaking_timeout_s + allreduce_timeout_s
         budget_s += 3 * HANDLER_CALL_TIMEOUT_S + _CALL_SLACK_S
+        quit_, poll = self._poller(give_up, tag)
+        self._searching = True
         try:
             round_ = self._average(
-                key,
-                flat,
-                shapes,
-                weight=weight,
-                gather=gather,
-                target_size=target_size,
+                key, flat, shapes, weight=weight, gather=gather, target_size=target_size,
                 matchmaking_timeout_s=matchmaking_timeout_s,
-                allreduce_timeout_s=allreduce_timeout_s,
-                admit=admit,
-            )
-            return self._service.run(self._tracked(round_), budget_s)
+                allreduce_timeout_s=allreduce_timeout_s, admit=admit, give_up=quit_,
+            )  # fmt: skip
+            return self._service.run(self._tracked(round_), budget_s, poll)
         except NoGroup as e:
             logger.info("%s", e)
             raise
@@ -323,7 +323,26 @@ class GroupAverager(BackgroundPart):
         except P2PServiceStopped:
             raise AllReduceFailed(f"{tag} the averager or its P2P service was shut down") from None
         finally:
+            self._searching = False
             self._busy.release()
+
+    def _poller(
+        self, give_up: Callable[[], bool] | None, tag: str
+    ) -> tuple[threading.Event | None, Callable[[], None] | None]:
+        """The event a search stops on, and the poll that sets it once `give_up` says so while
+        the group forms (a question that fails is a no: the round goes on)."""
+        if give_up is None:
+            return None, None
+        quit_ = threading.Event()
+
+        def poll() -> None:
+            try:
+                if self._searching and give_up():
+                    quit_.set()
+            except Exception as e:
+                logger.warning("%s give_up failed: %r", tag, e)
+
+        return quit_, poll
 
     async def _tracked(self, round_: Coroutine[Any, Any, GroupResult]) -> GroupResult:
         """Runs a round as the task that shutdown() cancels."""
@@ -345,19 +364,16 @@ class GroupAverager(BackgroundPart):
         matchmaking_timeout_s: float,
         allreduce_timeout_s: float,
         admit: Callable[[Group], Admission] | None,
+        give_up: threading.Event | None,
     ) -> GroupResult:
         """One round in the loop: form a group, commit it, admit its members, all-reduce."""
         tag = f"[{self.peer_id[-6:]} round={key}]"
         started = time.perf_counter()
         group, commit_s = await self._form_group(
-            key,
-            shapes,
-            weight=weight,
-            gather=gather,
-            target_size=target_size,
-            matchmaking_timeout_s=matchmaking_timeout_s,
-            allreduce_timeout_s=allreduce_timeout_s,
-        )
+            key, shapes, weight=weight, gather=gather, target_size=target_size,
+            matchmaking_timeout_s=matchmaking_timeout_s, allreduce_timeout_s=allreduce_timeout_s,
+            give_up=give_up,
+        )  # fmt: skip
         formed = time.perf_counter()
         logger.info("%s group of %d committed in %.2f s", tag, len(group.members), formed - started)
         if self._on_group is not None:
@@ -372,13 +388,9 @@ class GroupAverager(BackgroundPart):
             logger.warning("%s parts refused: %s", tag, describe(reduced.excluded))
         done = time.perf_counter()
         logger.info(
-            "%s all-reduce of %d floats done in %.2f s (%d B sent, %d B received)",
-            tag,
-            reduced.average.numel(),
-            done - formed,
-            reduced.bytes_sent,
-            reduced.bytes_received,
-        )
+            "%s all-reduce of %d floats done in %.2f s (%d B sent, %d B received)", tag,
+            reduced.average.numel(), done - formed, reduced.bytes_sent, reduced.bytes_received,
+        )  # fmt: skip
         return group_result(group, plan, reduced, shapes, formed - started, done - formed)
 
     async def _all_reduce(
@@ -432,6 +444,7 @@ class GroupAverager(BackgroundPart):
         target_size: int,
         matchmaking_timeout_s: float,
         allreduce_timeout_s: float,
+        give_up: threading.Event | None = None,
     ) -> tuple[Group, float]:
         """hivemind's matchmaking among the peers that call with this key and the same schema,
         then the commit step (commit.py); the committed group, and the seconds the commit took
@@ -459,7 +472,9 @@ class GroupAverager(BackgroundPart):
                 client_mode=self._client_mode,
                 on_lead=lambda proposed: self._lead(proposed, window_s),
                 frame=self._frame,
+                give_up=give_up,
             )
+            self._searching = False
             matched = time.perf_counter()
             if self._frame is not None:
                 self._frame.seen(group, self.peer_id)

@@ -27,6 +27,7 @@ import hashlib
 import logging
 import math
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035  (ServicerBase: typing's alias)
@@ -39,7 +40,7 @@ from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerI
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
-from diloco_peer.errors import AllReduceFailed, NoGroup
+from diloco_peer.errors import AllReduceFailed, GaveUp, NoGroup
 from diloco_peer.p2p.handler import HANDLER_CALL_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ _MAX_CLOSE_MARGIN_S = 1.0
 hear BEGIN_ALLREDUCE before their own deadline rather than just after it."""
 _CLIENT_EXTRA_S = 5.0
 """A client-mode follower waits this much longer than a leader would: see _FollowerMatchmaking."""
+GIVE_UP_CHECK_S = 0.25
+"""How often a search looks at its `give_up` event (`form_group`)."""
 _JOIN_LINGER_S = 5.0
 """How long a leader keeps a join stream open after its last message, for the follower to
 close it (`_JoinServicer`)."""
@@ -309,6 +312,7 @@ async def form_group(
     client_mode: bool = False,
     on_lead: Callable[[Group], None] | None = None,
     frame: Frame | None = None,
+    give_up: threading.Event | None = None,
 ) -> Group:
     """Find peers that call with the same `namespace` (which encodes the key) and schema.
 
@@ -323,7 +327,8 @@ async def form_group(
     The group closes as soon as `target_size` members are in, or when the leader's time is up
     (about `matchmaking_timeout_s` after it started) with at least two. Raises NoGroup if this
     peer ends up in no group by `matchmaking_timeout_s`, AllReduceFailed if the leader's group
-    is malformed.
+    is malformed. Once `give_up` is set, the search stops as soon as nobody has joined this
+    peer nor taken it in (GaveUp): a search that has company goes on.
     """
     me = p2p.peer_id.to_base58()
     tag = f"[{me[-6:]} round={key}]"
@@ -354,6 +359,7 @@ async def form_group(
             _step_control(weight, envelope, search_s, matchmaking_timeout_s, client_mode),
             matchmaking_timeout_s,
             tag,
+            give_up,
         )
         leader = servicer.matchmaking.leader
     finally:
@@ -423,21 +429,49 @@ def _step_control(
 
 
 async def _look_for_group(
-    matchmaking: Matchmaking, step: StepControl, matchmaking_timeout_s: float, tag: str
+    matchmaking: Matchmaking,
+    step: StepControl,
+    matchmaking_timeout_s: float,
+    tag: str,
+    give_up: threading.Event | None = None,
 ) -> GroupInfo | None:
     """The leader's group, or None if nobody joined by the deadline; NoGroup if matchmaking
-    overran its deadline or broke down."""
+    overran its deadline or broke down, GaveUp (see form_group)."""
     try:
         # look_for_group stops itself at the deadline; the bound here is a backstop
-        return await asyncio.wait_for(
+        search = asyncio.wait_for(
             matchmaking.look_for_group(step),
             matchmaking_timeout_s + _CLIENT_EXTRA_S + HANDLER_CALL_TIMEOUT_S,
         )
+        if give_up is None:
+            return await search
+        return await _unless_given_up(matchmaking, asyncio.ensure_future(search), give_up, tag)
     except asyncio.TimeoutError:
         raise NoGroup(f"{tag} matchmaking overran {matchmaking_timeout_s} s") from None
     except (P2PDaemonError, P2PHandlerError, OSError, AssertionError, ValueError) as e:
         # hivemind validates a leader's answer with assert: a lying leader ends up here
         raise NoGroup(f"{tag} matchmaking failed: {type(e).__name__}: {e}") from None
+
+
+async def _unless_given_up(
+    matchmaking: Matchmaking, search: asyncio.Future[GroupInfo | None], give_up: threading.Event,
+    tag: str,
+) -> GroupInfo | None:  # fmt: skip
+    """`search`'s outcome, unless `give_up` is set while this peer is alone in it (no follower
+    joined it, it joined no leader): then the search is cancelled (hivemind's look_for_group
+    sends any follower away as it ends) and GaveUp raised."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({search}, timeout=GIVE_UP_CHECK_S)
+            if done:
+                return search.result()
+            alone = matchmaking.current_leader is None and not matchmaking.current_followers
+            if give_up.is_set() and alone:
+                raise GaveUp(f"{tag} gave the search up: the swarm moved past this state")
+    finally:
+        if not search.done():
+            search.cancel()
+            await asyncio.wait({search}, timeout=HANDLER_CALL_TIMEOUT_S)
 
 
 async def _close(servicer: _JoinServicer, p2p: P2P, namespace: str, tag: str) -> None:

@@ -237,6 +237,17 @@ class SwarmView:
             top, want, donors, lost_fork=top == self.version, votes=votes, endorsed=endorsed
         )
 
+    def superseding(self) -> tuple[int, str] | None:
+        """The state that moved the swarm past ours, if any: `choose_head` without a replay
+        window (a state a quorum of live peers holds, above our version, or winning a fork at
+        it; one key's head moves nobody). A peer that looks for a group at our state then stops
+        looking and catches up: a group there could only fork the swarm or give its version up
+        (`moved_past`), and waiting for one costs the sync timeout (measured: the losers of a
+        healed partition waited it out alone, twice, and the swarm was one again 3 versions
+        after the heal)."""
+        choice = self.choose_head()
+        return None if choice is None else (choice.version, choice.state_hash)
+
     def quorum(self) -> int:
         """Distinct live peers that vouch for a state (`ENDORSE_QUORUM`, or all of them when
         fewer are live). To a joiner (we are at the genesis state, version 0) the other joiners

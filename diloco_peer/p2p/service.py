@@ -28,7 +28,8 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from hivemind.dht import DHT, DHTNode
@@ -48,11 +49,32 @@ _TEARDOWN_TIMEOUT_S = 5.0
 """Closing the replica's client (the daemon itself belongs to the DHT process)."""
 _CANCEL_GRACE_S = 3.0
 """How long tasks still pending when the loop stops get to finish their cancellation."""
+POLL_S = 2.0
+"""How often `P2PService.run` calls its `poll` while a call runs."""
 
 
 async def _daemon_listen_maddr(_dht: DHT, node: DHTNode) -> Multiaddr:
     """Runs inside the DHT process: where its p2p daemon listens for clients."""
     return node.p2p.daemon_listen_maddr
+
+
+def _result(
+    future: concurrent.futures.Future[T], timeout_s: float, poll: Callable[[], None] | None
+) -> T:
+    """`future.result(timeout_s)`, calling `poll` every POLL_S meanwhile."""
+    if poll is None:
+        return future.result(timeout=timeout_s)
+    end = time.monotonic() + timeout_s
+    while True:
+        left = end - time.monotonic()
+        try:
+            return future.result(timeout=max(0.0, min(POLL_S, left)))
+        except concurrent.futures.TimeoutError:
+            if future.done():  # it ended meanwhile (or its own bound raised TimeoutError)
+                return future.result()
+            if left <= POLL_S:
+                raise
+        poll()
 
 
 class P2PService(BackgroundPart):
@@ -143,13 +165,19 @@ class P2PService(BackgroundPart):
 
     # ------------------------------------------------------------------ calls
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    def run(
+        self,
+        coro: Coroutine[Any, Any, T],
+        timeout_s: float,
+        poll: Callable[[], None] | None = None,
+    ) -> T:
         """Run `coro` on the loop from another thread and return its result.
 
         `timeout_s` is a backstop: the coroutine should bound its own waits, and a
         `TimeoutError` it raises is re-raised as is. If it has not finished after `timeout_s`,
         it is cancelled and `TimeoutError` is raised. Raises P2PServiceStopped if the service is
-        not running, or shuts down (cancelling the call) before the call finishes.
+        not running, or shuts down (cancelling the call) before the call finishes. `poll`, if
+        given, is called in the calling thread every POLL_S while the call runs.
         """
         loop = self._loop
         if loop is None or self._stopped or not loop.is_running():
@@ -160,7 +188,7 @@ class P2PService(BackgroundPart):
             raise RuntimeError("P2PService.run() from the loop thread would wait on itself")
         future = asyncio.run_coroutine_threadsafe(coro, loop)
         try:
-            return future.result(timeout=timeout_s)
+            return _result(future, timeout_s, poll)
         except (concurrent.futures.TimeoutError, asyncio.TimeoutError) as e:  # one class on 3.11+
             if future.done():  # the coroutine raised it: its own bound ran out
                 raise TimeoutError(str(e) or "timed out") from e

@@ -24,3 +24,37 @@ class Contribution:
             [a + b for a, b in zip(self.delta, other.delta, strict=True)],
             min(self.base_version, other.base_version), samples, self.steps + other.steps,
         )  # fmt: skip
+
+
+class Ledger:
+    """This peer's own δs not yet settled: the pending one (from a failed group, a pause or a
+    checkpoint), and the one it applied last, which goes into a later group again if the branch
+    it produced loses a fork (DESIGN §3)."""
+
+    def __init__(self) -> None:
+        self.pending: Contribution | None = None
+        self.last_own: tuple[int, Contribution] | None = None
+        """(the version it produced, the δ)."""
+
+    def add(self, contribution: Contribution) -> None:
+        self.pending = contribution if self.pending is None else self.pending.merge(contribution)
+
+    def take(self, fresh: Contribution) -> Contribution:
+        """`fresh` with whatever was pending merged in; nothing is pending afterwards."""
+        if self.pending is None:
+            return fresh
+        merged, self.pending = self.pending.merge(fresh), None
+        return merged
+
+    def owns(self, version: int) -> bool:
+        """Our own δ produced `version` (and would go into a later group if it lost a fork)."""
+        return self.last_own is not None and self.last_own[0] == version
+
+    def recontribute(self, lost_version: int) -> bool:
+        """Our branch at `lost_version` lost: the δ that produced it goes into the next group."""
+        if self.last_own is None or self.last_own[0] != lost_version:
+            return False
+        own = self.last_own[1]
+        self.last_own = None
+        self.add(own)
+        return True

@@ -31,8 +31,8 @@ from diloco_peer.averaging.hierarchy import two_stage
 from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free.swarm_view import group_plan
 from diloco_peer.coordinator_free.update_log import UpdateRecord
-from diloco_peer.errors import AllReduceFailed, LeftOut, NoGroup
-from diloco_peer.peer.delta import Contribution
+from diloco_peer.errors import AllReduceFailed, GaveUp, LeftOut, NoGroup
+from diloco_peer.peer.delta import Contribution, Ledger
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.heads import Activity, HeadChannel
 from diloco_peer.peer.phase import Training
@@ -68,40 +68,6 @@ class RoundOutcome:
     @property
     def applied(self) -> bool:
         return self.report is not None
-
-
-class Ledger:
-    """This peer's own δs not yet settled: the pending one (from a failed group, a pause or a
-    checkpoint), and the one it applied last, which goes into a later group again if the branch
-    it produced loses a fork (DESIGN §3)."""
-
-    def __init__(self) -> None:
-        self.pending: Contribution | None = None
-        self.last_own: tuple[int, Contribution] | None = None
-        """(the version it produced, the δ)."""
-
-    def add(self, contribution: Contribution) -> None:
-        self.pending = contribution if self.pending is None else self.pending.merge(contribution)
-
-    def take(self, fresh: Contribution) -> Contribution:
-        """`fresh` with whatever was pending merged in; nothing is pending afterwards."""
-        if self.pending is None:
-            return fresh
-        merged, self.pending = self.pending.merge(fresh), None
-        return merged
-
-    def owns(self, version: int) -> bool:
-        """Our own δ produced `version` (and would go into a later group if it lost a fork)."""
-        return self.last_own is not None and self.last_own[0] == version
-
-    def recontribute(self, lost_version: int) -> bool:
-        """Our branch at `lost_version` lost: the δ that produced it goes into the next group."""
-        if self.last_own is None or self.last_own[0] != lost_version:
-            return False
-        own = self.last_own[1]
-        self.last_own = None
-        self.add(own)
-        return True
 
 
 class Sealer(Protocol):
@@ -157,6 +123,8 @@ class Round:
         """Claims we gave a version up to: the second time, only if a live head shows them."""
         self._passed_by: set[tuple[int, str]] = set()
         """States above our base we gave a version up to: the second time, we commit."""
+        self._searched_past: set[tuple[int, str]] = set()
+        """States (a quorum's) we stopped a group search for: the second time, we search on."""
         self._outwaited: tuple[int, str, frozenset[str]] = (-1, "", frozenset())
         """(version, state, peers) that said they were in a group at our state for a whole
         round of ours that found none: the next round at that state does not wait for them."""
@@ -201,15 +169,16 @@ class Round:
                 target_size=plan.target_size, matchmaking_timeout_s=plan.timeout_s,
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
                 admit=self.guard.admit(offer.round),
+                give_up=self._superseded,
             )  # fmt: skip
         except LeftOut as e:  # a group under this key goes on without us: never apply δ alone
             self.log_exclusions(loss)
             self.counters.wait_s += time.time() - waited
             return self.keep(mine, f"left out of the group: {e.refusal.name}", t0)
-        except NoGroup:
+        except NoGroup as e:  # GaveUp: the swarm moved past our state while we looked
             self.log_exclusions(loss)
             self.counters.wait_s += time.time() - waited
-            return self._no_group(mine, loss, t0)
+            return self._no_group(mine, loss, t0, isinstance(e, GaveUp))
         except AllReduceFailed as e:
             self.log_exclusions(loss)
             self.counters.wait_s += time.time() - waited
@@ -257,6 +226,17 @@ class Round:
         # weight from its signed header, the same on every member
         return key, offer, self.guard.envelope_weight()
 
+    def _superseded(self) -> bool:
+        """Whether our group search should stop: the swarm moved past our state to one we have
+        not stopped a search for yet (`SwarmView.superseding`; heads that catch-up finds no
+        such state behind cost one search, not every round)."""
+        state, mine = self.heads.view().superseding(), self.replica.version
+        self._searched_past = {vs for vs in self._searched_past if vs[0] >= mine}
+        if state is None or state in self._searched_past:
+            return False
+        self._searched_past.add(state)
+        return True
+
     def _silent(self, peers: tuple[str, ...]) -> None:
         """The members our reducer waited for in vain in a failed round: named in our next
         headers (the retry's admission leaves them out) and absent from our view until their
@@ -273,7 +253,9 @@ class Round:
             hold_s={p: round(u - now, 1) for p, u in held.items()},
         )  # fmt: skip
 
-    def _no_group(self, mine: Contribution, loss: float, t0: float) -> RoundOutcome:
+    def _no_group(self, mine: Contribution, loss: float, t0: float, gave_up: bool) -> RoundOutcome:
+        if not self.asynchronous and gave_up:  # the next phase starts from the swarm's state
+            return self.keep(mine, "the swarm moved past our state", t0)
         if not self.asynchronous:
             # Not a reason to mark anyone absent: they may simply have been late. Only a group
             # that formed without a peer shows it is gone (a lone decision would fork).

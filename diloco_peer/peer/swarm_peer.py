@@ -47,7 +47,7 @@ from diloco_peer.peer import peer_checkpoint
 from diloco_peer.peer.catch_up import Accept, CatchUp
 from diloco_peer.peer.certify import Certifier
 from diloco_peer.peer.dashboard import DashboardServer, serve_dashboard
-from diloco_peer.peer.delta import Contribution
+from diloco_peer.peer.delta import Contribution, Ledger
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.faults import FaultPlan
 from diloco_peer.peer.heads import Activity, Facts, HeadChannel, Heartbeat
@@ -67,7 +67,7 @@ from diloco_peer.peer.network import (
 from diloco_peer.peer.overlap import Overlap
 from diloco_peer.peer.phase import Controls, Phase, PhasePaused, StopRequested, build_training
 from diloco_peer.peer.replica import Replica, prepare_record_dir
-from diloco_peer.peer.round import Ledger, Round, RoundOutcome
+from diloco_peer.peer.round import Round, RoundOutcome
 from diloco_peer.peer.telemetry import (
     Counters,
     Gauges,

@@ -5,7 +5,8 @@ What is real: the rules. Catch-up follows `SwarmView.choose_head` (fork vote, qu
 or downloads as `update_log.replays` says; a phase is `swarm_view.phase_steps` long (H, DyLU or a
 probe); a round waits as `swarm_view.group_plan` says (whom, how many, how long); a group that
 finds another group's claim on its base, or a quorum of live peers past it, gives the version up
-(`Round.commit`); a δ is kept when its group fails, merged into the next one (`Ledger`), and
+(`Round.commit`); a search nobody joined stops once the swarm moved past its state
+(`SwarmView.superseding`); a δ is kept when its group fails, merged into the next one (`Ledger`), and
 dropped past the staleness limit.
 
 What is modelled: hivemind's matchmaking (a peer joins the oldest group forming under its key
@@ -29,6 +30,7 @@ from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.swarm_view import SwarmView, group_plan, phase_steps
 from diloco_peer.coordinator_free.update_log import replay_horizon, replays
+from diloco_peer.p2p.service import POLL_S
 from diloco_peer.sim.profiles import step_seconds
 from diloco_peer.swarm_sim.hierarchy import Combiner
 from diloco_peer.swarm_sim.spec import SwarmSimSpec
@@ -282,6 +284,7 @@ class SwarmSim:
             lobby.append(forming)
             self.searching[key] += 1
             self.at(forming.deadline, self.close, forming)
+            self.at(self.now + POLL_S, self.give_up, forming)
         forming.members.append(p.id)
         if len(forming.members) >= forming.target:
             self.close(forming)
@@ -308,6 +311,16 @@ class SwarmSim:
         self.search_over(forming.key)
         if members:
             self.no_group(members[0])
+
+    def give_up(self, forming: Forming) -> None:
+        """`GroupAverager.average`'s `give_up`, asked every POLL_S: a search nobody joined ends
+        once the swarm moved past its state (`SwarmView.superseding`), as at its deadline."""
+        if forming.closed or len(forming.members) != 1:
+            return
+        if self.view(self.peers[forming.members[0]]).superseding() is not None:
+            self.close(forming)
+        elif self.now + POLL_S < forming.deadline:
+            self.at(self.now + POLL_S, self.give_up, forming)
 
     def due(self, base: str) -> bool:
         """A live peer at `base` is training, and a two-stage round waits for it: in both
