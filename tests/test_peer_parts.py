@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -314,3 +315,89 @@ def test_a_replica_keeps_only_the_updates_a_replay_can_ask_for() -> None:
     )
     assert moved is not None and moved.method == "replay" and downloads.calls == ["update"] * 2
     assert two_behind.published_hash == choice.state_hash and two_behind.version == 20
+
+
+@pytest.mark.timeout(60)
+def test_the_head_book_holds_under_the_threads_that_share_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The round thread and the training thread (a phase's extension, an overlapped round)
+    both read the swarm's view, which merges each DHT read into the book, while the round
+    marks peers absent and the rejoiner reads every head: no reader may see a half-changed
+    book (dictionary changed size during iteration, a head without its receipt time)."""
+    from diloco_peer.averaging.outer import build_outer_optimizer
+    from diloco_peer.averaging.state import ReplicatedState
+    from diloco_peer.coordinator_free import records
+    from diloco_peer.identity import Identity
+    from diloco_peer.peer.heads import Activity, Facts, HeadChannel
+    from diloco_peer.peer.replica import Replica, UpdateLog
+    from diloco_peer.peer.telemetry import Counters
+
+    reads = iter(range(1, 10**9))
+    digits = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+    def name(n: int, i: int) -> str:  # a peer id hivemind's alphabet allows
+        text = ""
+        while n:
+            n, d = divmod(n, len(digits))
+            text = digits[d] + text
+        return f"Peer{text}x{digits[i]}"
+
+    def read_heads(dht: object, run: str, **kwargs: object) -> dict[str, records.PeerHead]:
+        # every read brings new peers and departures of older ones: the book grows and shrinks
+        n, now = next(reads), time.time()
+        heads = {name(n, i): records.PeerHead(peer_id=name(n, i), version=n,
+                                                  state_hash="ab" * 32, updated=now)
+                 for i in range(8)}  # fmt: skip
+        if n > 2:
+            gone = name(n - 2, 0)
+            heads[gone] = records.PeerHead(peer_id=gone, version=n, state_hash="ab" * 32,
+                                           updated=0.0)  # fmt: skip
+        return heads
+
+    monkeypatch.setattr(records, "read_heads", read_heads)
+    me = Identity.generate()
+    state = ReplicatedState([torch.zeros(2)], build_outer_optimizer("sgd", lr=1.0), 2, "m" * 64)
+    facts = Facts(speed=lambda: 1.0, batch_size=4, client_mode=lambda: False,
+                  bans=lambda: None, resources=lambda: {})  # fmt: skip
+    channel = HeadChannel(
+        lambda: object(), me, "run1", allow=lambda p: True,  # type: ignore[arg-type,return-value]
+        replica=Replica(state, UpdateLog(4)), counters=Counters(), activity=Activity(),
+        facts=facts, faults=FaultPlan(),
+    )  # fmt: skip
+    errors: list[BaseException] = []
+    per_thread = 300
+
+    def guarded(work: Callable[[int], object]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                for i in range(per_thread):
+                    work(i)
+            except BaseException as e:
+                errors.append(e)
+
+        return run
+
+    def absent(i: int) -> None:
+        channel.mark_absent([name(i + 1, 1), name(i + 1, 2)], present=(), now=time.time())
+
+    def rejoiner(i: int) -> None:
+        for peer, head in channel.seen().items():
+            assert head.peer_id == peer
+        channel.in_flight([0, 0], oldest_version=0)
+        _ = channel.departed_version
+
+    work = [lambda i: channel.view(), lambda i: channel.view(), absent, rejoiner]
+    threads = [threading.Thread(target=guarded(w)) for w in work]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    view = channel.view()
+    assert len(view.heads) >= 8 and channel.departed_version > 0

@@ -73,6 +73,9 @@ class FakeHeads:
     def publish(self, in_group: bool = False, leaving: bool = False) -> None:
         self.published.append(in_group)
 
+    def mark_absent(self, expected: Any, present: Any, now: float, *, until: Any = None) -> None:
+        self.book.mark_absent(expected, present, now, until=until)
+
 
 class FakeAverager:
     """Answers `average` with each of `answers` in turn (an exception is raised)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from hivemind.dht import DHT
@@ -141,6 +141,9 @@ class HeadChannel:
         self._activity, self._facts, self._faults = activity, facts, faults
         self.me = identity.peer_id_str
         self.book = HeadBook(self.me, ttl_s=HEAD_TTL_S)
+        self._book_lock = threading.Lock()
+        """HeadBook is pure and unlocked; the round thread, the training thread (a phase's
+        extension, an overlapped round beside it) and the rejoiner all use this one."""
 
     def head(self, in_group: bool = False, leaving: bool = False) -> records.PeerHead:
         speed = self._facts.speed() or 0.0
@@ -200,6 +203,10 @@ class HeadChannel:
 
     def live(self) -> dict[str, records.PeerHead]:
         """Read the heads into the book; the live ones (HeadBook.live)."""
+        return self._merge(self._read_heads())[0]
+
+    def _read_heads(self) -> dict[str, records.PeerHead]:
+        """One DHT read of the heads, nothing on a timeout (logged)."""
         dht = self._dht()
         try:
             heads = (
@@ -210,13 +217,44 @@ class HeadChannel:
         except records.SwarmTimeout as e:
             log.warning("[%s round=%d] %s", self.me[-6:], self._replica.version, e)
             heads = {}
-        now = time.time()
-        self.book.merge(heads, now)
-        self.book.forget(now)
+        return heads
+
+    def _merge(
+        self, heads: dict[str, records.PeerHead]
+    ) -> tuple[dict[str, records.PeerHead], frozenset[str]]:
+        """Merge one read into the book: the live heads and the departed peers, one snapshot."""
         c = self._counters
-        if self._faults.hides_others(c.rounds_done, c.started_training):
-            return {p: h for p, h in self.book.seen.items() if p == self.me}
-        return self.book.live(time.time())
+        hidden = self._faults.hides_others(c.rounds_done, c.started_training)
+        with self._book_lock:
+            now = time.time()
+            self.book.merge(heads, now)
+            self.book.forget(now)
+            departed = frozenset(self.book.departures)
+            if hidden:
+                return {p: h for p, h in self.book.seen.items() if p == self.me}, departed
+            return self.book.live(time.time()), departed
+
+    def mark_absent(self, expected: Iterable[str], present: Collection[str], now: float,
+                    *, until: float | None = None) -> None:  # fmt: skip
+        """HeadBook.mark_absent, under the book's lock."""
+        with self._book_lock:
+            self.book.mark_absent(expected, present, now, until=until)
+
+    def in_flight(self, counts: Sequence[int], oldest_version: int) -> list[int]:
+        """HeadBook.in_flight now, under the book's lock."""
+        with self._book_lock:
+            return self.book.in_flight(counts, time.time(), oldest_version)
+
+    @property
+    def departed_version(self) -> int:
+        """HeadBook.departed_version, under the book's lock."""
+        with self._book_lock:
+            return self.book.departed_version
+
+    def seen(self) -> dict[str, records.PeerHead]:
+        """A copy of every head the book holds (the rejoiner's thread reads it)."""
+        with self._book_lock:
+            return dict(self.book.seen)
 
     def read(self) -> dict[str, records.PeerHead]:
         """One DHT read of the heads (allowlist applied) that leaves the book alone: for
@@ -228,8 +266,9 @@ class HeadChannel:
 
     def view(self) -> SwarmView:
         """The swarm as this peer sees it now (one DHT read)."""
-        return SwarmView(self.me, self._replica.version, self._replica.published_hash, self.live(),
-                         frozenset(self.book.departures))  # fmt: skip
+        live, departed = self._merge(self._read_heads())
+        return SwarmView(self.me, self._replica.version, self._replica.published_hash, live,
+                         departed)  # fmt: skip
 
     def rejoiner(self, initial: Sequence[str], events: EventLog) -> Rejoiner:
         """A `Rejoiner` for this peer's DHT that knows the heads this channel read, and writes a
@@ -244,7 +283,7 @@ class HeadChannel:
                 loss=self._counters.last_loss, peers=peers,
             )  # fmt: skip
 
-        return Rejoiner(self._dht, self.me, initial=initial, heads=lambda: self.book.seen,
+        return Rejoiner(self._dht, self.me, initial=initial, heads=self.seen,
                         on_rejoined=rejoined, timeout_s=DHT_TIMEOUT_S)  # fmt: skip
 
 

@@ -194,12 +194,10 @@ class Round:
             if outcome.report is not None and not self.asynchronous:
                 # the update names every group's members: whoever we waited for and it does not
                 # name was in no group (until it publishes a newer head)
-                self.heads.book.mark_absent(
-                    view.heads, present=outcome.report.members, now=time.time()
-                )
+                self.heads.mark_absent(view.heads, present=outcome.report.members, now=time.time())
             return outcome
         if not self.asynchronous:
-            self.heads.book.mark_absent(view.heads, present=result.members, now=time.time())
+            self.heads.mark_absent(view.heads, present=result.members, now=time.time())
         return self.commit(
             mine, result.contributors, result, loss, t0, self.guard.group_shards(result),
             self.guard.staleness(result, self.replica.version),
@@ -246,7 +244,7 @@ class Round:
         now = time.time()
         held = self.guard.name_silent(peers, now)
         for peer, until in held.items():
-            self.heads.book.mark_absent([peer], present=(), now=now, until=until)
+            self.heads.mark_absent([peer], present=(), now=now, until=until)
         self.events.emit(
             "silent", version=self.replica.version, state_hash=self.replica.published_hash,
             group_size=0, loss=self.counters.last_loss, silent_peers=sorted(held),

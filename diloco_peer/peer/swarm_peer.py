@@ -218,7 +218,7 @@ class SwarmPeer:
         self.phase = Phase(
             self.training, run=run, swarm=swarm, me=self.peer_id, pinned_shard=spec.shard,
             throttle=spec.throttle, activity=self.activity, counters=self.counters,
-            in_flight=lambda counts, oldest: self.heads.book.in_flight(counts, time.time(), oldest),
+            in_flight=self.heads.in_flight,
             controls=Controls(self._stop, self._paused, self.on_step, self.heads.publish,
                               self.heads.view, self.finished),
         )  # fmt: skip
@@ -362,7 +362,7 @@ class SwarmPeer:
         """--max-rounds, --until-version or --until-steps reached, or a stop was requested."""
         return self._stop.is_set() or run_ended(
             self.spec, rounds_done=self.counters.rounds_done, version=self.state.version,
-            departed_version=self.heads.book.departed_version,
+            departed_version=self.heads.departed_version,
             applied_steps=self.applied_steps(), elapsed_s=time.time() - self.counters.t_start,
         )  # fmt: skip
 
