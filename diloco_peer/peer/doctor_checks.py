@@ -136,7 +136,8 @@ def reachability_check(m: Mapping[str, Any], port: int) -> Check:
                      port_fix(port))  # fmt: skip
     if m.get("dialed_back_s") is None:
         detail = (f"no swarm peer dialed this node within {m.get('dial_wait_s', 0):.0f} s after "
-                  "it hung up (a live peer's heartbeat would have)")  # fmt: skip
+                  f"it hung up ({m.get('hang_ups', 1)} time(s); a live peer's heartbeat would "
+                  "have)")  # fmt: skip
         return Check(name, "WARN", detail, port_fix(port))
     own, swarm = m.get("own_addrs", []), m.get("peer_addrs", [])
     if any(map(is_public, swarm)) and not any(map(is_public, own)):
@@ -144,8 +145,9 @@ def reachability_check(m: Mapping[str, Any], port: int) -> Check:
         detail = (f"a peer dialed it, but it advertises only private addresses ({shown}) while "
                   "the swarm has public ones: peers elsewhere cannot dial it")  # fmt: skip
         return Check(name, "WARN", detail, port_fix(port))
+    again = " the second time" if m.get("hang_ups", 1) > 1 else ""
     return Check(name, "PASS", f"a swarm peer dialed this node afresh {m['dialed_back_s']:.1f} s "
-                 "after it hung up")  # fmt: skip
+                 f"after it hung up{again}")  # fmt: skip
 
 
 def port_check(host: str, port: int) -> Check:

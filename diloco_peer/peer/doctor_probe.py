@@ -38,6 +38,11 @@ from diloco_peer.peer.doctor_checks import heads_offset, peek_manifest, ping_off
 
 HEARTBEAT_S = HEAD_TTL_S / 4
 """How often a live peer republishes its head (`SwarmPeer._heartbeat`)."""
+HANG_UPS = 2
+"""Hang-ups the dial-back test may take, each followed by a wait of a heartbeat and 5 s. A peer
+whose request to this node was under way when it hung up drops the node from its routing table
+(hivemind's `DHTProtocol.update_routing_table` on a request without an answer) and would not
+dial it again on its own: a ping from this node before the next hang-up puts it back."""
 _GO_TIMESTAMP = re.compile(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ")  # in the libp2p daemon's errors
 
 
@@ -108,11 +113,32 @@ def _measure(
     own, peers = _call(dht, _addrs, left(5)) or ([], [])
     m["own_addrs"], m["peer_addrs"] = own, sorted({*swarm, *peers})
     if m["validated"]:
-        # a peer stores its head (and so dials us) every HEARTBEAT_S; a loaded peer may miss one
-        m["dial_wait_s"] = left(2 * HEARTBEAT_S + 5)
-        progress(f"hanging up; waiting up to {m['dial_wait_s']:.0f} s for a peer to dial back")
-        m["dialed_back_s"] = _call(dht, functools.partial(_dialed_back, wait_s=m["dial_wait_s"]),
-                                   m["dial_wait_s"] + 5)  # fmt: skip
+        _dial_back(dht, m, list(m["validated"]), left, progress)
+
+
+def _dial_back(
+    dht: DHT, m: dict[str, Any], peers: Sequence[str], left: Callable[[float], float],
+    progress: Callable[[str], None],
+) -> None:  # fmt: skip
+    """Hang up and wait for a peer to dial this node afresh (`dialed_back_s`, None if none did;
+    `dial_wait_s` in all), at most HANG_UPS times: a peer stores its head (and so dials us)
+    every HEARTBEAT_S, and before a second hang-up a ping puts us back in the routing table of
+    a peer that dropped us at the first (HANG_UPS)."""
+    m["dial_wait_s"], m["dialed_back_s"], m["hang_ups"] = 0.0, None, 0
+    for _ in range(HANG_UPS):
+        wait_s = left(HEARTBEAT_S + 5)
+        if wait_s <= 1:
+            return
+        if m["hang_ups"]:
+            for peer in peers:
+                _ping_in(dht, peer, False, left)
+        m["hang_ups"] += 1
+        progress(f"hanging up; waiting up to {wait_s:.0f} s for a peer to dial back")
+        m["dialed_back_s"] = _call(dht, functools.partial(_dialed_back, wait_s=wait_s),
+                                   wait_s + 5)  # fmt: skip
+        m["dial_wait_s"] += wait_s
+        if m["dialed_back_s"] is not None:
+            return
 
 
 def _fetch_manifest(
