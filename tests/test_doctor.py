@@ -122,6 +122,8 @@ def test_reachability_verdicts_and_fixes() -> None:
     assert silent.status == "WARN" and "within 20 s" in silent.detail
     assert "--port P" in silent.fix and "--client-mode" in silent.fix
 
+    no_time = reachability_check({"validated": {PEER: True}, "hang_ups": 0, **local}, 0)
+    assert no_time.status == "SKIP" and "--timeout-s" in no_time.detail
     ok = {"validated": {PEER: True}, "dialed_back_s": 3.14}
     passed = reachability_check({**ok, **local}, 0)
     assert passed.status == "PASS" and "3.1 s" in passed.detail

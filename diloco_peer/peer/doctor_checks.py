@@ -134,6 +134,8 @@ def reachability_check(m: Mapping[str, Any], port: int) -> Check:
         detail = f"{sum(not v for v in validated.values())} of {len(validated)} peer(s) could "
         return Check(name, "WARN", detail + "not reach this node back (validated ping)",
                      port_fix(port))  # fmt: skip
+    if m.get("hang_ups") == 0:
+        return Check(name, "SKIP", "no time was left to wait for a dial-back (raise --timeout-s)")
     if m.get("dialed_back_s") is None:
         detail = (f"no swarm peer dialed this node within {m.get('dial_wait_s', 0):.0f} s after "
                   f"it hung up ({m.get('hang_ups', 1)} time(s); a live peer's heartbeat would "
