@@ -208,7 +208,10 @@ def test_killed_peers_cost_survivors_at_most_a_timed_out_round(
     assert d.wait(timeout=60) == -signal.SIGKILL
     ra = {e["version"]: e for e in read_log(log_a) if e["event"] == "round"}
     rb = {e["version"]: e for e in read_log(log_b) if e["event"] == "round"}
-    assert any(e["event"] == "round" for e in read_log(log_d))  # d did take part before dying
+    # d took part before dying: its exit code says it was killed joining its second group, and
+    # its first group's round ended before that: applied, or (async) given up because another
+    # group committed that version first (CI, once: "the swarm moved past our base to v1")
+    assert any(e["event"] in ("round", "round_failed") for e in read_log(log_d))
     branch = branches(log_a, log_b)
     assert branch.one_branch, branch.conflicts
     hashes = branch.agreed
