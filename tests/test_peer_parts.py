@@ -165,6 +165,20 @@ def test_the_ledger_merges_pending_and_recontributes_only_the_lost_version() -> 
     assert not ledger.owns(6)
 
 
+def run_interleaved(threads: list[threading.Thread]) -> None:
+    """Start `threads` and wait for them, switching between them as often as the interpreter
+    can (races show within a few hundred iterations)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+
+
 @pytest.mark.timeout(60)
 def test_the_ban_list_holds_under_four_threads() -> None:
     """The network loop and the round ban, the heartbeat, the metrics and the headers read: no
@@ -189,16 +203,7 @@ def test_the_ban_list_holds_under_four_threads() -> None:
             errors.append(e)
 
     threads = [threading.Thread(target=writer, args=(t,)) for t in ("A", "B")]
-    threads += [threading.Thread(target=reader) for _ in range(2)]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_interleaved(threads + [threading.Thread(target=reader) for _ in range(2)])
     assert errors == []
     assert bans.total == 2 * per_thread
     assert len(bans.active(0)) == 2 * per_thread
@@ -388,16 +393,7 @@ def test_the_head_book_holds_under_the_threads_that_share_it(
         _ = channel.departed_version
 
     work = [lambda i: channel.view(), lambda i: channel.view(), absent, rejoiner]
-    threads = [threading.Thread(target=guarded(w)) for w in work]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_interleaved([threading.Thread(target=guarded(w)) for w in work])
     assert errors == []
     view = channel.view()
     assert len(view.heads) >= 8 and channel.departed_version > 0
