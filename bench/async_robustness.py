@@ -289,6 +289,7 @@ def summarize(cells: list[Cell], results: dict[tuple[str, str], dict[str, Any]],
             "cells": len(v),
             "median_ratio": statistics.median(v),
             "worst_ratio": max(v),
+            "best_ratio": min(v),
             **{
                 key: all(
                     row[m][reach] is not None and row[m][reach] < row["sync_reach_s"]
@@ -304,7 +305,28 @@ def summarize(cells: list[Cell], results: dict[tuple[str, str], dict[str, Any]],
         for m, v in ratios.items()
         if v
     }
-    return {"rows": rows, "methods": per_method}
+    return {"rows": rows, "methods": per_method, "settings": per_setting(rows, list(ratios))}
+
+
+def per_setting(rows: list[dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:
+    """Per setting, over its seeds: how far sync's own final ppl spreads from seed to seed (the
+    noise floor a cell's ratio sits in), and each method's median and worst ratio to sync."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by.setdefault(row["setting"], []).append(row)
+    out = []
+    for setting, mine in sorted(by.items()):
+        sync = [r["sync_ppl"] for r in mine]
+        entry: dict[str, Any] = {"setting": setting, "seeds": len(mine), "sync_ppl_min": min(sync),
+                                 "sync_ppl_max": max(sync), "sync_spread": max(sync) / min(sync)}  # fmt: skip
+        for m in methods:
+            ratios = [r[m]["ratio"] for r in mine if m in r]
+            if ratios:
+                entry[m] = {"cells": len(ratios), "median_ratio": statistics.median(ratios),
+                            "worst_ratio": max(ratios),
+                            "above_sync": sum(x > 1 for x in ratios)}  # fmt: skip
+        out.append(entry)
+    return out
 
 
 def _f(x: float | None, digits: int = 3) -> str:
@@ -346,14 +368,34 @@ def render(doc: dict[str, Any]) -> str:
         cols += [_reach(row[m]) if m in row else "—" for m in methods]
         cols.append(_f(row["sync_reach_s"], 0))
         lines.append("| " + " | ".join(cols) + " |")
-    lines += ["", "| method | cells | median × sync | worst × sync | reaches sync's ppl sooner "
-              "in every cell, within the budget | the same, run on |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| method | cells | median × sync | worst × sync | best × sync | reaches sync's "
+              "ppl sooner in every cell, within the budget | the same, run on |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
     yes = {True: "yes", False: "no"}
     for m, s in doc["summary"]["methods"].items():
         lines.append(f"| {m} | {s['cells']} | {_f(s['median_ratio'], 4)} | {_f(s['worst_ratio'], 4)} "
-                     f"| {yes[s['sooner_everywhere']]} | {yes[s['sooner_everywhere_run_on']]} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+                     f"| {_f(s['best_ratio'], 4)} | {yes[s['sooner_everywhere']]} "
+                     f"| {yes[s['sooner_everywhere_run_on']]} |")  # fmt: skip
+    return "\n".join(lines + render_settings(doc, methods)) + "\n"
+
+
+def render_settings(doc: dict[str, Any], methods: list[str]) -> list[str]:
+    """The per-setting table: each method over the seeds, beside sync's own seed spread."""
+    shown = [m for m in methods if m not in REFERENCE]  # reference rows: one seed per setting
+    lines = ["", "Per setting, over its seeds (*sync spread*: sync's highest final ppl over its "
+             "lowest, from seed to seed; *above*: cells ending above sync's ppl):", "",
+             "| setting | seeds | sync ppl (spread) | "
+             + " | ".join(f"{m} median × sync | worst | above" for m in shown) + " |",
+             "|" + "---|" * (3 + 3 * len(shown))]  # fmt: skip
+    for s in doc["summary"]["settings"]:
+        cols = [s["setting"], str(s["seeds"]),
+                f"{_f(s['sync_ppl_min'])}–{_f(s['sync_ppl_max'])} ({_f(s['sync_spread'], 3)})"]  # fmt: skip
+        for m in shown:
+            e = s.get(m)
+            cols += ([_f(e["median_ratio"], 4), _f(e["worst_ratio"], 4), str(e["above_sync"])]
+                     if e else ["—"] * 3)  # fmt: skip
+        lines.append("| " + " | ".join(cols) + " |")
+    return lines
 
 
 def main() -> None:
