@@ -44,11 +44,14 @@ AggregationName = Literal["mean", "trimmed-mean", "centered-clip"]
 CompressionName = Literal["none", "fp16", "int8", "int4"]
 """Pseudo-gradient encodings on the wire (averaging/compression.py)."""
 ComputeSchedule = Literal["constant", "doubling", "halving", "ramp-up", "ramp-down"]
-OverlapRule = Literal["none", "eager", "local"]
+OverlapRule = Literal["none", "eager", "local", "proxy"]
 """Overlapped rounds (ALGORITHMS §1.1): off, or where the next phase starts before the fold."""
 FoldRule = Literal["rebase", "mix", "pull"]
 """Overlap's fold of θ_global (ALGORITHMS §1.1): rebase, mix (Streaming DiLoCo's merge), or pull
 (mix's parameters, but the δ is the phase's own progress)."""
+OverlapFrom = Literal["phase", "group"]
+"""When an overlapped phase starts (ALGORITHMS §1.1): at the end of the worker's own phase, or
+once its group is complete and the all-reduce starts (only the all-reduce is overlapped)."""
 ShardMode = Literal["iid", "non-iid"]
 Protocol = Literal["sync", "async"]
 Weighting = Literal["uniform", "samples"]
@@ -195,6 +198,10 @@ class SimSpec:
     overlap_keep: float = 1.0
     """The fold's share of the local progress kept (1: all of it; 0: restart from θ_global);
     the swarm's default."""
+    overlap_from: OverlapFrom = "phase"
+    """When an overlapped phase starts: at the end of the worker's own phase (`phase`: the
+    wait for the group's slowest member is trained through too) or once its group is complete
+    (`group`: only the all-reduce is)."""
     staleness_threshold: int = 10
     """async-polythres drops contributions staler than this."""
     drop_prob: float = 0.0
@@ -216,6 +223,7 @@ class SimSpec:
         choice("compute schedule", self.compute_schedule, COMPUTE_SCHEDULES)
         choice("overlap rule", self.overlap, OVERLAP_RULES)
         choice("fold rule", self.overlap_fold, get_args(FoldRule))
+        choice("overlap start", self.overlap_from, get_args(OverlapFrom))
         if not (is_finite(self.overlap_keep) and 0 <= self.overlap_keep <= 1):
             raise ConfigError(f"overlap_keep must be in [0, 1], got {self.overlap_keep}")
         positive("workers", self.workers)

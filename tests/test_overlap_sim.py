@@ -17,7 +17,15 @@ from diloco_peer.peer.inner import InnerTrainer, Schedule
 from diloco_peer.peer.model import build_model
 from diloco_peer.sim.profiles import VERY, StepClock
 from diloco_peer.sim.simulator import Simulator
-from diloco_peer.sim.worker import Fold, overlapped_phase, steps_before
+from diloco_peer.sim.worker import (
+    Fold,
+    LastGroup,
+    Worker,
+    eager_start,
+    overlapped_phase,
+    proxy_start,
+    steps_before,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -114,11 +122,35 @@ def test_a_fold_after_zero_steps_is_the_blocking_phase(small_run: RunSpec) -> No
     assert not all(torch.equal(a, b) for a, b in zip(blocking, folded, strict=True))
 
 
+def test_the_proxy_start_mixes_ones_fresh_delta_with_the_others_last_mean() -> None:
+    opt = build_outer_optimizer("nesterov", lr=0.7, momentum=0.9)
+    theta = [torch.zeros(2)]
+    opt.step(theta, [torch.tensor([0.3, 0.0])], 1)  # momentum is not zero any more
+    last = LastGroup()
+    fresh = [torch.tensor([1.0, 2.0])]
+    # No group yet: the eager start (own δ for all n).
+    assert torch.equal(proxy_start(opt, theta, 0, fresh, 4, last)[0],
+                       eager_start(opt, theta, fresh, 4)[0])  # fmt: skip
+    workers = [Worker(i, None, None) for i in range(3)]  # type: ignore[arg-type]
+    last.record(workers, [[torch.tensor([3.0, 0.0])], [torch.tensor([5.0, 0.0])],
+                          [torch.tensor([7.0, 3.0])]])  # fmt: skip
+    assert torch.equal(last.others_mean(0)[0], torch.tensor([6.0, 1.5]))  # type: ignore[index]
+    assert torch.equal(last.others_mean(9)[0], torch.tensor([5.0, 1.0]))  # type: ignore[index]
+    # Worker 0 of 4: its own fresh δ once, the others' last mean three times.
+    expect = opt.preview(theta, [fresh[0] + 3 * torch.tensor([6.0, 1.5])], 4)
+    assert torch.equal(proxy_start(opt, theta, 0, fresh, 4, last)[0], expect[0])
+    # A lone last group of worker 0 itself: nobody else's δ to go by, so the eager start.
+    last.record(workers[:1], [[torch.tensor([3.0, 0.0])]])
+    assert last.others_mean(0) is None
+    assert torch.equal(proxy_start(opt, theta, 0, fresh, 4, last)[0],
+                       eager_start(opt, theta, fresh, 4)[0])  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- runs
 
 
 @pytest.mark.parametrize("algo", ["sync", "dn-dylu"])
-@pytest.mark.parametrize("rule", ["eager", "local"])
+@pytest.mark.parametrize("rule", ["eager", "local", "proxy"])
 def test_nothing_to_overlap_gives_the_blocking_run(
     small_run: RunSpec, algo: str, rule: str
 ) -> None:
@@ -137,7 +169,7 @@ def test_blocking_sync_rounds_wait_for_the_all_reduce(small_run: RunSpec) -> Non
 
 
 @pytest.mark.parametrize("algo", ["sync", "dn-dylu"])
-@pytest.mark.parametrize("rule", ["eager", "local"])
+@pytest.mark.parametrize("rule", ["eager", "local", "proxy"])
 def test_overlap_trains_through_the_all_reduce(small_run: RunSpec, algo: str, rule: str) -> None:
     comm = 0.5 * H * GEO  # half a phase
     blocking = _simulate(small_run, algo=algo, comm_s=comm)
@@ -169,17 +201,44 @@ def test_the_fold_rules_give_other_runs_on_the_same_clock(small_run: RunSpec) ->
     assert len(ppls) == 4 and all(math.isfinite(p) for p in ppls)
 
 
-def test_the_two_rules_start_from_different_places(small_run: RunSpec) -> None:
-    kwargs: dict[str, Any] = {"algo": "sync", "comm_s": 0.5 * H * GEO}
+def test_the_three_rules_start_from_different_places(small_run: RunSpec) -> None:
+    # Three rounds: the proxy start needs a group before the one it follows (else it is eager's).
+    kwargs: dict[str, Any] = {"algo": "sync", "comm_s": 0.5 * H * GEO, "total_steps": 3 * 4 * H}
     eager = _simulate(small_run, overlap="eager", **kwargs)
     local = _simulate(small_run, overlap="local", **kwargs)
-    assert eager["sim_time"] == local["sim_time"]
-    assert eager["final_ppl"] != local["final_ppl"]
+    proxy = _simulate(small_run, overlap="proxy", **kwargs)
+    assert eager["sim_time"] == local["sim_time"] == proxy["sim_time"]
+    assert len({eager["final_ppl"], local["final_ppl"], proxy["final_ppl"]}) == 3
+
+
+@pytest.mark.parametrize("algo", ["sync", "dn-dylu"])
+def test_a_phase_started_at_the_group_overlaps_only_the_all_reduce(
+    small_run: RunSpec, algo: str
+) -> None:
+    kwargs: dict[str, Any] = {"algo": algo, "comm_s": 0.5 * H * GEO}
+    # Equal devices: every phase of a group ends at once, so both starts are the same.
+    phase = _simulate(small_run, overlap="local", **kwargs)
+    group = _simulate(small_run, overlap="local", overlap_from="group", **kwargs)
+    assert _without_config(group) == _without_config(phase)
+    # Unequal ones: a fast worker waits for the group's slowest member before it starts, not
+    # after its phase, and trains fewer steps from a stale start: another model.
+    kwargs["heterogeneity"] = "slight"
+    blocking = _simulate(small_run, **kwargs)
+    phase = _simulate(small_run, overlap="local", **kwargs)
+    group = _simulate(small_run, overlap="local", overlap_from="group", **kwargs)
+    assert blocking["sim_time"] > group["sim_time"] >= phase["sim_time"]
+    assert sum(blocking["idle_fraction"]) > sum(group["idle_fraction"])
+    assert len({blocking["final_ppl"], phase["final_ppl"], group["final_ppl"]}) == 3
+    if algo == "sync":  # the slowest worker runs its phases back to back either way
+        assert group["sim_time"] == pytest.approx(phase["sim_time"])
+        assert group["idle_fraction"] == pytest.approx(phase["idle_fraction"])
 
 
 def test_overlap_settings_are_checked(small_run: RunSpec) -> None:
     with pytest.raises(ConfigError, match="overlap rule"):
         SimSpec(run=small_run, overlap="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="overlap start"):
+        SimSpec(run=small_run, overlap_from="never")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="fold rule"):
         SimSpec(run=small_run, overlap_fold="average")  # type: ignore[arg-type]
     for keep in (-0.1, 1.5, math.nan):

@@ -63,9 +63,14 @@ def simulate(
     grace_s: float = typer.Option(PRESET[1].grace_s, help="Async grace period, virtual s."),
     grace_share: float = typer.Option(GRACE_SHARE, help="Async grace, share of a phase."),
     comm_s: float = typer.Option(0.0, help="Virtual seconds one all-reduce takes."),
-    overlap: str = typer.Option("none", help="Train through the all-reduce: none|eager|local."),
+    overlap: str = typer.Option(
+        "none", help="Train through the all-reduce: none|eager|local|proxy."
+    ),
     overlap_fold: str = typer.Option(PRESET[1].overlap_fold, help="Fold: rebase|mix|pull."),
     overlap_keep: float = typer.Option(PRESET[1].overlap_keep, help="The fold's share κ kept."),
+    overlap_from: str = typer.Option(
+        "phase", help="An overlapped phase starts at: phase (its own end) | group (all-reduce)."
+    ),
     staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
     drop_prob: float = typer.Option(0.0, help="Sync: chance a contribution is lost (Fig. 8)."),
     compute_schedule: str = typer.Option(
@@ -122,7 +127,8 @@ def simulate(
     spec = SimSpec(
         run=run, algo=algo, workers=workers, total_steps=total_steps, heterogeneity=heterogeneity,
         jitter=jitter, grace_s=grace_s, grace_share=grace_share, comm_s=comm_s, overlap=overlap,
-        overlap_fold=overlap_fold, overlap_keep=overlap_keep, drop_prob=drop_prob,
+        overlap_fold=overlap_fold, overlap_keep=overlap_keep, overlap_from=overlap_from,
+        drop_prob=drop_prob,
         staleness_threshold=staleness_threshold, threads=threads,
         compute_schedule=compute_schedule, pretrain_steps=pretrain_steps, eval_every=eval_every,
         init=str(init) if init else None,

@@ -23,7 +23,15 @@ from diloco_peer.coordinator_free.dylu import dylu_phase_s, dylu_steps
 from diloco_peer.coordinator_free.sampler import ShardSampler
 from diloco_peer.peer.inner import Schedule
 from diloco_peer.sim.contributions import group_sum, mean_pairwise_cosine, plain_sum, uploaded
-from diloco_peer.sim.worker import Fold, Worker, eager_start, overlapped_phase, steps_before
+from diloco_peer.sim.worker import (
+    Fold,
+    LastGroup,
+    Worker,
+    eager_start,
+    overlapped_phase,
+    proxy_start,
+    steps_before,
+)
 
 if TYPE_CHECKING:
     from diloco_peer.sim.simulator import Simulator
@@ -59,6 +67,7 @@ class AsyncRun:
         self.last_fold = 0.0  # when the last group's all-reduce is done
         # The eager rule's guess of a group's size: every worker (what DyLU aims at).
         self.eager_n = spec.workers
+        self.last = LastGroup()  # the `proxy` rule's memory of the last group applied
 
     def run(self) -> dict[str, Any]:
         """Deliver phases in virtual-time order until the step budget is spent."""
@@ -158,6 +167,12 @@ class AsyncRun:
         if self.spec.overlap == "eager":  # from the state the group is applied to
             for w in group:
                 w.start_from = eager_start(self.outer, self.sim.theta, w.phase.delta, self.eager_n)
+        elif self.spec.overlap == "proxy":
+            for w in group:
+                w.start_from = proxy_start(
+                    self.outer, self.sim.theta, w.index, w.phase.delta, self.eager_n, self.last
+                )
+            self.last.record(group, deltas)
         if self.algo in GROUPED_ALGOS:
             self.staleness.extend(self.version - w.base_version for w in group)
             with torch.no_grad():
@@ -169,8 +184,10 @@ class AsyncRun:
         self.sim.progress(sum(w.phase.steps for w in group), at=self.last_fold)
         for w in group:
             w.phase = None
-            overlap = self.spec.overlap != "none"
-            self._start(w, w.free_at if overlap else self.last_fold, self.last_fold)
+            start = self.last_fold  # blocking
+            if self.spec.overlap != "none":
+                start = w.free_at if self.spec.overlap_from == "phase" else self.sim.now
+            self._start(w, start, self.last_fold)
 
     def _result(self) -> dict[str, Any]:
         total_samples = sum(self.shard_samples) or 1

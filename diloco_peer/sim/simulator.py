@@ -39,7 +39,15 @@ from diloco_peer.peer.model import Transformer, build_model, resolve_device
 from diloco_peer.sim.async_run import AsyncRun
 from diloco_peer.sim.contributions import group_sum, mean_pairwise_cosine
 from diloco_peer.sim.profiles import StepClock, step_seconds
-from diloco_peer.sim.worker import Fold, Worker, eager_start, overlapped_phase, steps_before
+from diloco_peer.sim.worker import (
+    Fold,
+    LastGroup,
+    Worker,
+    eager_start,
+    overlapped_phase,
+    proxy_start,
+    steps_before,
+)
 
 ProgressFn = Callable[[int, int], None]
 
@@ -295,6 +303,7 @@ class Simulator:
         outer = self.outer_optimizer(r.outer_optimizer, buffer_size=r.dn_buffer_size or k)
         drop_rng = random.Random(r.seed + 104729)
         assigned, updates, dropped = 0, 0, 0
+        last = LastGroup()  # the `proxy` rule's memory of the previous round
         while assigned < spec.total_steps:
             m = active_workers(spec.compute_schedule, k, assigned / spec.total_steps)
             steps = min(r.inner_steps, (spec.total_steps - assigned) // m)
@@ -304,7 +313,9 @@ class Simulator:
             for w in workers[:m]:
                 s = w.index % len(shards) if sampler is None else sampler.sample(shard_samples)
                 shard_samples[s] += steps * r.batch_size
-                start = w.free_at if spec.overlap != "none" else self.now
+                start = self.now if spec.overlap == "none" else w.free_at
+                if spec.overlap != "none" and spec.overlap_from == "group":
+                    start = max(start, self.now - spec.comm_s)  # the last phase's end
                 fold_after = steps_before(w.clock, start, self.now, steps)
                 # A dropped contribution's worker continues from its local θ (DiLoCo Fig. 8).
                 phase = overlapped_phase(
@@ -323,6 +334,8 @@ class Simulator:
                     arrived.append(phase.delta)
                 if spec.overlap == "eager":  # overlap excludes drops: every δ arrives
                     w.start_from = eager_start(outer, self.theta, phase.delta, m)
+                elif spec.overlap == "proxy":
+                    w.start_from = proxy_start(outer, self.theta, w.index, phase.delta, m, last)
             self.now = max(w.free_at for w in workers[:m]) + spec.comm_s
             assigned += steps * m
             if arrived:
@@ -332,6 +345,8 @@ class Simulator:
                 with torch.no_grad():
                     outer.step(self.theta, group_sum(arrived, self.run_spec), len(arrived))
                 updates += 1
+                if spec.overlap == "proxy":
+                    last.record(workers[:m], arrived)
             self.progress(steps * m)
         return {
             "outer_updates": updates,

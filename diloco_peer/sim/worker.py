@@ -36,7 +36,8 @@ class Worker:
     free_at: float = 0.0
     """Virtual time its last phase ended (overlapped runs start the next one there)."""
     start_from: list[torch.Tensor] | None = None
-    """Where its next overlapped phase starts under the `eager` rule (None: its own local θ)."""
+    """Where its next overlapped phase starts under the `eager` and `proxy` rules (None: its own
+    local θ)."""
 
 
 def steps_before(clock: StepClock, start: float, fold_at: float, steps: int) -> int:
@@ -54,6 +55,51 @@ def eager_start(
     """The eager rule's start (ALGORITHMS §1.1): the outer step from θ_global previewed as if
     each of the `n` contributions it expects equalled this worker's own fresh δ."""
     return outer.preview(theta, [t * n for t in delta], n)
+
+
+@dataclass
+class LastGroup:
+    """The last group applied, as the `proxy` rule uses it: the plain sum of its δs, their
+    count, and each member's own δ (by worker index)."""
+
+    total: list[torch.Tensor] | None = None
+    count: int = 0
+    own: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def record(self, members: Sequence[Worker], deltas: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Remember this group for the next proxy starts."""
+        self.total = [torch.stack(ts).sum(0) for ts in zip(*deltas, strict=True)]
+        self.count = len(deltas)
+        self.own = {w.index: list(d) for w, d in zip(members, deltas, strict=True)}
+
+    def others_mean(self, index: int) -> list[torch.Tensor] | None:
+        """The mean δ of the last group's members other than worker `index` (None: none)."""
+        own = self.own.get(index)
+        others = self.count - (own is not None)
+        if self.total is None or others < 1:
+            return None
+        if own is None:
+            return [t / others for t in self.total]
+        return [(t - o) / others for t, o in zip(self.total, own, strict=True)]
+
+
+def proxy_start(
+    outer: OuterOptimizer,
+    theta: Sequence[torch.Tensor],
+    index: int,
+    delta: Sequence[torch.Tensor],
+    n: int,
+    last: LastGroup,
+) -> list[torch.Tensor]:
+    """The `proxy` rule's start (ALGORITHMS §1.1), the eager-updates paper's proxy: the outer
+    step from θ_global previewed as if, of the `n` contributions it expects, one were this
+    worker's fresh δ and each other the mean δ of the other members of the last group applied
+    (`eager`'s start when there is none)."""
+    rest = last.others_mean(index)
+    if rest is None:
+        return eager_start(outer, theta, delta, n)
+    guess = [d + r * (n - 1) for d, r in zip(delta, rest, strict=True)]
+    return outer.preview(theta, guess, n)
 
 
 @dataclass(frozen=True)
