@@ -15,6 +15,7 @@ workers' mean compute utilization. Runs are kept as JSON under bench/results/asy
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -161,7 +162,7 @@ def main() -> None:
         ))  # fmt: skip
     results = {job: r for job, r in zip(jobs, done, strict=True) if r}
     doc = {
-        "command": "python bench/overlap_sim.py " + " ".join(sys.argv[1:]), "code": CODE,
+        "command": "python bench/overlap_sim.py " + shlex.join(sys.argv[1:]), "code": CODE,
         "workers": a.workers, "total_steps": a.total_steps, "H": a.H, "het": a.het,
         "comm_share": a.comm_share, "comm_s": comm_seconds(a.het, a.workers, a.H, a.comm_share),
         "variants": {n: [rule, *extra] for n, (rule, extra) in variants.items() if n != "none"},
