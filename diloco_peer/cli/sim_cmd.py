@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from diloco_peer.cli.app import app, configure_logging
-from diloco_peer.config import GRACE_SHARE, RunSpec, SimSpec, default_run
+from diloco_peer.config import GRACE_SHARE, SIM_ALGOS, RunSpec, SimSpec, default_run
 from diloco_peer.errors import BadInput
 
 _stderr = Console(stderr=True)
@@ -50,9 +50,7 @@ PRESET = default_run()
 
 @app.command()
 def simulate(
-    algo: str = typer.Option(
-        "sync", help="single|ddp|sync|async|async-poly|async-polythres|async-buffer|dn|dn-dylu"
-    ),
+    algo: str = typer.Option("sync", help="|".join(SIM_ALGOS)),
     workers: int = typer.Option(4, help="Simulated workers (k)."),
     total_steps: int = typer.Option(800, help="Budget of local steps summed over all workers."),
     inner_steps: int = typer.Option(
@@ -63,14 +61,10 @@ def simulate(
     grace_s: float = typer.Option(PRESET[1].grace_s, help="Async grace period, virtual s."),
     grace_share: float = typer.Option(GRACE_SHARE, help="Async grace, share of a phase."),
     comm_s: float = typer.Option(0.0, help="Virtual seconds one all-reduce takes."),
-    overlap: str = typer.Option(
-        "none", help="Train through the all-reduce: none|eager|local|proxy."
-    ),
+    overlap: str = typer.Option("none", help="Overlapped rounds: none|eager|local|proxy."),
     overlap_fold: str = typer.Option(PRESET[1].overlap_fold, help="Fold: rebase|mix|pull."),
     overlap_keep: float = typer.Option(PRESET[1].overlap_keep, help="The fold's share κ kept."),
-    overlap_from: str = typer.Option(
-        "phase", help="An overlapped phase starts at: phase (its own end) | group (all-reduce)."
-    ),
+    overlap_from: str = typer.Option("phase", help="Overlapped phases start: phase|group."),
     staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
     drop_prob: float = typer.Option(0.0, help="Sync: chance a contribution is lost (Fig. 8)."),
     compute_schedule: str = typer.Option(
@@ -128,8 +122,7 @@ def simulate(
         run=run, algo=algo, workers=workers, total_steps=total_steps, heterogeneity=heterogeneity,
         jitter=jitter, grace_s=grace_s, grace_share=grace_share, comm_s=comm_s, overlap=overlap,
         overlap_fold=overlap_fold, overlap_keep=overlap_keep, overlap_from=overlap_from,
-        drop_prob=drop_prob,
-        staleness_threshold=staleness_threshold, threads=threads,
+        drop_prob=drop_prob, staleness_threshold=staleness_threshold, threads=threads,
         compute_schedule=compute_schedule, pretrain_steps=pretrain_steps, eval_every=eval_every,
         init=str(init) if init else None,
     )  # fmt: skip
