@@ -13,6 +13,7 @@ from diloco_peer.averaging.outer_base import OuterOptimizer
 from diloco_peer.config import FoldRule
 from diloco_peer.coordinator_free.dylu import SpeedMeter
 from diloco_peer.peer.inner import InnerTrainer, PhaseResult, Schedule
+from diloco_peer.sim.contributions import plain_sum
 from diloco_peer.sim.profiles import StepClock
 
 
@@ -59,28 +60,21 @@ def eager_start(
 
 @dataclass
 class LastGroup:
-    """The last group applied, as the `proxy` rule uses it: the plain sum of its δs, their
-    count, and each member's own δ (by worker index)."""
+    """The last group applied, as the `proxy` rule uses it: each member's own δ, by worker
+    index."""
 
-    total: list[torch.Tensor] | None = None
-    count: int = 0
     own: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     def record(self, members: Sequence[Worker], deltas: Sequence[Sequence[torch.Tensor]]) -> None:
         """Remember this group for the next proxy starts."""
-        self.total = [torch.stack(ts).sum(0) for ts in zip(*deltas, strict=True)]
-        self.count = len(deltas)
         self.own = {w.index: list(d) for w, d in zip(members, deltas, strict=True)}
 
     def others_mean(self, index: int) -> list[torch.Tensor] | None:
         """The mean δ of the last group's members other than worker `index` (None: none)."""
-        own = self.own.get(index)
-        others = self.count - (own is not None)
-        if self.total is None or others < 1:
+        others = [d for i, d in self.own.items() if i != index]
+        if not others:
             return None
-        if own is None:
-            return [t / others for t in self.total]
-        return [(t - o) / others for t, o in zip(self.total, own, strict=True)]
+        return [t / len(others) for t in plain_sum(others)]
 
 
 def proxy_start(
