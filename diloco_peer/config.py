@@ -305,10 +305,14 @@ class SwarmSettings:
     round ends. Off: every round blocks training until its outer step is applied."""
     overlap_fold: FoldRule = "rebase"
     """The overlapped fold: `rebase` (its δ is the phase's own progress, as a blocking δ) or
-    `mix` (Streaming DiLoCo's merge, nearer blocking in the simulator, but its δ carries half
-    the last outer step and honest peers' cosine screens excluded each other: ALGORITHMS §1.1)."""
+    `mix` (Streaming DiLoCo's merge; its δ carries the group's last average in place of the
+    peer's own last δ, so that honest δs pass the screens: ALGORITHMS §1.1)."""
     overlap_keep: float = 1.0
     """The fold's share κ of the local progress kept (`mix`: Streaming DiLoCo's α, 0.5)."""
+    overlap_from: OverlapFrom = "phase"
+    """When an overlapped phase starts: at the hand-off (`phase`) or once the round's group is
+    formed and its all-reduce starts (`group`: the wait for slower peers is not trained
+    through, only the all-reduce and the outer step)."""
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -334,6 +338,7 @@ class SwarmSettings:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         finite("start_timeout_s", self.start_timeout_s, 0, strict=False)
         choice("fold rule", self.overlap_fold, get_args(FoldRule))
+        choice("overlap start", self.overlap_from, get_args(OverlapFrom))
         if not (is_finite(self.overlap_keep) and 0 <= self.overlap_keep <= 1):
             raise ConfigError(f"overlap_keep must be in [0, 1], got {self.overlap_keep}")
         if self.protocol == "async" and self.grace_s <= 0:

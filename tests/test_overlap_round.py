@@ -3,6 +3,7 @@ logic, then real peers that train through their rounds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import torch
 from conftest import FAST_RUN
 
 from diloco_peer.config import SwarmSettings
+from diloco_peer.coordinator_free.update_log import UpdateRecord
 from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
 from diloco_peer.peer.events import read_log
 from diloco_peer.peer.heads import Activity
@@ -35,11 +37,14 @@ class _Params:
         self.params = [torch.full((3,), value)]
 
 
-def _overlap(local: float, theta: float, fold: str = "mix", keep: float = 0.5):
+def _overlap(local: float, theta: float, fold: str = "mix", keep: float = 0.5,
+             start_from: str = "phase", activity: Activity | None = None):  # fmt: skip
     trainer = _Params(local)
     state = [torch.full((3,), theta)]
-    swarm = SwarmSettings(overlap=True, overlap_fold=fold, overlap_keep=keep)
-    overlap = Overlap(trainer, lambda: state, swarm, Activity(), Counters())  # type: ignore[arg-type]
+    swarm = SwarmSettings(overlap=True, overlap_fold=fold, overlap_keep=keep,
+                          overlap_from=start_from)  # type: ignore[arg-type]  # fmt: skip
+    overlap = Overlap(trainer, lambda: state, lambda: 0, swarm, activity or Activity(),  # type: ignore[arg-type]
+                      Counters())  # fmt: skip
     return trainer, state, overlap
 
 
@@ -53,6 +58,13 @@ APPLIED = RoundOutcome(
                 bytes_sent=0, bytes_received=0, steps=10, staleness=0, members=["a", "b"]),
 )  # fmt: skip
 KEPT = RoundOutcome(RoundStatus.KEPT, reason="no group")
+
+
+def _applied_at(base_version: int, average: float) -> RoundOutcome:
+    """APPLIED, with the update it applied: on `base_version`, the group's mean δ `average`."""
+    record = UpdateRecord(base_version=base_version, base_hash="a" * 64, result_hash="b" * 64,
+                          count=2, shard_samples={}, average=(torch.full((3,), average),))  # fmt: skip
+    return dataclasses.replace(APPLIED, update=record)
 
 
 def _round_in_flight(overlap: Overlap, outcome: RoundOutcome | None) -> threading.Event:
@@ -77,7 +89,8 @@ def _end(overlap: Overlap) -> None:
 
 def test_applied_round_is_mixed_in_at_the_first_step_boundary_after_it_ends() -> None:
     trainer, state, overlap = _overlap(local=1.0, theta=0.0, fold="mix", keep=0.5)
-    release = _round_in_flight(overlap, APPLIED)
+    overlap.report([torch.full((3,), -1.0)])  # the δ handed off, measured against v0
+    release = _round_in_flight(overlap, _applied_at(0, -1.0))
     assert overlap.begin_phase()  # in flight: the phase starts from its own parameters
     trainer.params[0] += 1.0  # a step: local 2.0
     assert not overlap.poll()  # the round is still running: nothing folded
@@ -87,6 +100,68 @@ def test_applied_round_is_mixed_in_at_the_first_step_boundary_after_it_ends() ->
     assert overlap.poll() and not overlap.in_flight
     assert _value(trainer) == pytest.approx(4.0 + 0.5 * (2.0 - 4.0))  # θ + κ(x − θ)
     assert not overlap.poll()  # once
+
+
+def test_mix_reports_the_groups_average_in_place_of_the_peers_own_last_delta() -> None:
+    # Our last δ (measured against v0 = θ 0.0) was 1.0, the group's mean Δ 3.0: after the mix,
+    # the next δ is the phase's own progress (κ of it before the fold) plus κ(Δ − θᵗ + θᵗ⁺¹),
+    # the same for every member of the group, rather than κ(δ_own − θᵗ + θᵗ⁺¹).
+    trainer, state, overlap = _overlap(local=-1.0, theta=0.0, fold="mix", keep=0.5)
+    assert overlap.report([torch.ones(3)])[0].eq(1.0).all()  # sent as measured; kept
+    release = _round_in_flight(overlap, _applied_at(0, 3.0))
+    assert overlap.begin_phase()  # b = −1.0
+    trainer.params[0] -= 1.0  # progress 1.0 before the fold: local −2.0
+    state[0].fill_(-4.0)  # θᵗ⁺¹: the outer step moved θ by −4.0
+    release.set()
+    _end(overlap)
+    assert overlap.poll()
+    assert _value(trainer) == pytest.approx(-3.0)  # −4 + 0.5 (−2 + 4)
+    trainer.params[0] -= 0.5  # progress 0.5 after the fold: local −3.5
+    measured = state[0] - trainer.params[0]  # κ·1.0 + 0.5 + κ(δ_own 1.0 − 4.0) = −0.5
+    assert float(measured[0]) == pytest.approx(-0.5)
+    sent = overlap.report([measured])[0]  # plus κ(Δ − δ_own) = 0.5 (3.0 − 1.0)
+    assert float(sent[0]) == pytest.approx(0.5 * 1.0 + 0.5 + 0.5 * (3.0 - 4.0))
+
+
+def test_mix_folds_an_update_on_another_state_as_rebase_with_all_progress_kept() -> None:
+    # the round caught up first: its update is on v1, not on v0 where our δ was measured
+    trainer, state, overlap = _overlap(local=-1.0, theta=0.0, fold="mix", keep=0.5)
+    overlap.report([torch.ones(3)])
+    release = _round_in_flight(overlap, _applied_at(1, 3.0))
+    assert overlap.begin_phase()  # b = −1.0
+    trainer.params[0] -= 1.0
+    state[0].fill_(-4.0)
+    release.set()
+    overlap.settle()
+    assert _value(trainer) == pytest.approx(-5.0)  # θ + (θ_local − b): the progress whole
+    assert overlap.report([torch.full((3,), 2.0)])[0].eq(2.0).all()  # nothing added
+
+
+def test_the_group_start_waits_for_the_rounds_group_or_its_end() -> None:
+    activity = Activity()
+    _, _, overlap = _overlap(local=1.0, theta=0.0, start_from="group", activity=activity)
+    release = _round_in_flight(overlap, APPLIED)
+    waiter = threading.Thread(target=overlap.await_group)
+    waiter.start()
+    waiter.join(0.8)
+    assert waiter.is_alive()  # no group yet: the next phase does not start
+    activity.formed.set()  # what the round's admission does once the group is formed
+    waiter.join(5)
+    assert not waiter.is_alive() and overlap.in_flight  # the all-reduce runs behind the phase
+    assert overlap.begin_phase()
+    release.set()
+    overlap.settle()
+    release = _round_in_flight(overlap, KEPT)  # the hand-off clears it; no group ever forms
+    assert not activity.formed.is_set()
+    threading.Timer(0.3, release.set).start()
+    overlap.await_group()  # returns once the round is over
+    assert not overlap.begin_phase()  # τ = 0: the phase loads θ_global
+    _, _, at_once = _overlap(local=1.0, theta=0.0, start_from="phase")
+    release = _round_in_flight(at_once, APPLIED)
+    at_once.await_group()  # `phase`: returns at once, the round still in flight
+    assert at_once.in_flight
+    release.set()
+    at_once.wait()
 
 
 def test_rebase_rule_moves_the_progress_since_the_phase_began_onto_the_new_state() -> None:
@@ -162,8 +237,8 @@ def test_what_the_round_raised_is_raised_in_the_training_thread() -> None:
 def test_a_peer_is_in_a_round_from_the_hand_off_until_the_round_ends() -> None:
     # its head says "in a group" while its next phase trains: async peers wait for it
     activity = Activity(training=True, eta=123.0)
-    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], SwarmSettings(overlap=True),  # type: ignore[arg-type]
-                      activity, Counters())  # fmt: skip
+    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], lambda: 0,  # type: ignore[arg-type]
+                      SwarmSettings(overlap=True), activity, Counters())  # fmt: skip
 
     def work() -> RoundOutcome:
         assert activity.grouping  # already at the hand-off, before the group search
@@ -177,8 +252,8 @@ def test_a_peer_is_in_a_round_from_the_hand_off_until_the_round_ends() -> None:
 
 def test_a_rounds_waits_count_as_idle_only_while_the_training_thread_waits_for_it() -> None:
     counters = Counters(started_training=True, t_first_train=time.time() - 100.0)
-    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], SwarmSettings(overlap=True),  # type: ignore[arg-type]
-                      Activity(), counters)  # fmt: skip
+    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], lambda: 0,  # type: ignore[arg-type]
+                      SwarmSettings(overlap=True), Activity(), counters)  # fmt: skip
 
     def waits(seconds: float) -> RoundOutcome:
         counters.wait_s += seconds  # what the round's group search and all-reduce add
@@ -247,15 +322,45 @@ def test_peers_train_through_their_rounds_and_agree(protocol: str, tmp_path: Pat
 
 
 OVERLAP_RUN = FAST_RUN + "overlap = true\n"
+MIX_FROM_GROUP = 'overlap_fold = "mix"\noverlap_keep = 0.5\noverlap_from = "group"\n'
+"""The rule within 1.02 of blocking in the simulator (docs/results.md)."""
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(240)
+def test_mixing_peers_train_through_the_all_reduce_and_pass_each_others_screens(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
+    # `mix` sends the group's last average where the merge left the peer's own last δ: the
+    # members' δs then differ by their phases' progress only, and the cosine screen (on by
+    # default) excludes none of them. (Sending the own last δ, honest δs pointed apart.)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(OVERLAP_RUN + MIX_FROM_GROUP + "expected_peers = 3\n")
+    until = ["--until-version", "8"]
+    a, log_a = swarm.start("a", "--config", str(cfg), *until)
+    maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
+    (b, log_b), (c, log_c) = (swarm.start(n, "--swarm", maddr, *until) for n in "bc")
+    for proc in (a, b, c):
+        assert proc.wait(timeout=200) == 0
+    branch = branches(log_a, log_b, log_c)
+    assert branch.one_branch and max(branch.agreed) >= 8, branch.conflicts
+    events = [e for log in (log_a, log_b, log_c) for e in read_log(log)]
+    assert not [e for e in events if e["event"] == "excluded"]
+    rounds = [e for e in events if e["event"] == "round"]
+    assert sum(e["group_size"] == 3 for e in rounds) >= len(rounds) // 2
+    assert sum(e["overlapped"] for e in rounds) >= len(rounds) // 4
 
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "rule", ["", pytest.param(MIX_FROM_GROUP, marks=pytest.mark.slow, id="mix-from-group")]
+)
 def test_a_late_joiner_and_a_killed_peer_leave_one_branch(
-    swarm: LocalSwarm, tmp_path: Path
+    swarm: LocalSwarm, tmp_path: Path, rule: str
 ) -> None:
     cfg = tmp_path / "run.toml"
-    cfg.write_text(OVERLAP_RUN)
+    cfg.write_text(OVERLAP_RUN + rule)
     until = ["--until-version", "12"]
     a, log_a = swarm.start("a", "--config", str(cfg), *until)
     maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]

@@ -59,6 +59,11 @@ def test_bad_swarm_settings_are_refused(field: str, value: float) -> None:
         SwarmSettings(**{field: value})
 
 
+def test_an_unknown_overlap_start_is_refused() -> None:
+    with pytest.raises(ConfigError, match="overlap start 'round'; choose one of: phase, group"):
+        SwarmSettings(overlap_from="round")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "field, value",
     [("shard", -2), ("throttle", 0.5), ("throttle", float("inf")), ("until_steps", -1)],
@@ -82,7 +87,7 @@ def test_simulate_runs_the_swarms_preset() -> None:
     assert options["grace_s"].default.default == swarm.grace_s
     assert options["grace_share"].default.default == swarm.grace_share
     # the overlapped fold (issue 18), in the command and in SimSpec
-    for name in ("overlap_fold", "overlap_keep"):
+    for name in ("overlap_fold", "overlap_keep", "overlap_from"):
         assert options[name].default.default == getattr(swarm, name)
         assert getattr(SimSpec(), name) == getattr(swarm, name), name
     # the schedule's length too: both at 0, each shard's cosine spans SHARD_SCHEDULE_STEPS in a

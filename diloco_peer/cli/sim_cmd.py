@@ -64,7 +64,7 @@ def simulate(
     overlap: str = typer.Option("none", help="Overlapped rounds: none|eager|local|proxy."),
     overlap_fold: str = typer.Option(PRESET[1].overlap_fold, help="Fold: rebase|mix|pull."),
     overlap_keep: float = typer.Option(PRESET[1].overlap_keep, help="The fold's share κ kept."),
-    overlap_from: str = typer.Option("phase", help="Overlapped phases start: phase|group."),
+    overlap_from: str = typer.Option(PRESET[1].overlap_from, help="Phases start: phase|group."),
     staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
     drop_prob: float = typer.Option(0.0, help="Sync: chance a contribution is lost (Fig. 8)."),
     compute_schedule: str = typer.Option(

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
 
@@ -53,6 +53,9 @@ class Activity:
 
     training: bool = False
     """A phase is under way (an overlapped round's end leaves its `eta` and `plan` alone)."""
+    formed: threading.Event = field(default_factory=threading.Event)
+    """Set when the round's group is formed and its all-reduce starts (cleared by
+    `Overlap.start`): an overlapped phase with `overlap_from = "group"` starts then."""
 
     def free_wait_s(self, now: float) -> float:
         """How long an async round may wait for peers at no cost to the device: while the next

@@ -6,15 +6,21 @@ parameters. At every step boundary the phase asks `poll()`; once the round is ov
 θ_global is folded into the running parameters (`InnerTrainer.rebase`):
 
 - the round applied an update holding our δ: the swarm's fold rule (`rebase`: θ_local ← θ +
-  κ·(θ_local − b); `mix`: Streaming DiLoCo's merge θ_local ← θ + κ·(θ_local − θ); `pull`: mix's
-  parameters, and the δ sent is the phase's own progress, `report`);
+  κ·(θ_local − b); `mix`: Streaming DiLoCo's merge θ_local ← θ + κ·(θ_local − θ), and the δ
+  sent carries the group's average Δ where the merge left our own last δ, κ·(Δ − δ_own), so
+  that honest members' δs point the same way (`report`; only for an update on the state our
+  last δ was measured against, else `rebase` with κ = 1); `pull`: mix's parameters, and the δ
+  sent is the phase's own progress, `report`);
 - it did not (kept for the next group, dropped, the run ended): rebase with κ = 1, so that the
   previous phase's progress leaves the parameters (it rides in the δ ledger, or is lost as a
   dropped δ is in a blocking round) and only this phase's is measured.
 
 The phase's δ is then measured against the state folded in. A phase that ends before its round
-waits for it (`settle`) and folds at its end. Only when the local replica learns of θ_global
-changes: the replicated state, its hash, certificates and catch-up are the blocking round's.
+waits for it (`settle`) and folds at its end. With `overlap_from = "group"` the next phase
+starts only once the round's group is formed (`await_group`): the all-reduce and the outer step
+are trained through, the wait for slower peers is not. Only when the local replica learns of
+θ_global changes: the replicated state, its hash, certificates and catch-up are the blocking
+round's.
 """
 
 from __future__ import annotations
@@ -45,20 +51,24 @@ class Overlap:
         self,
         trainer: InnerTrainer,
         theta: Callable[[], list[torch.Tensor]],
+        version: Callable[[], int],
         swarm: SwarmSettings,
         activity: Activity,
         counters: Counters,
     ) -> None:
-        self.trainer, self._theta = trainer, theta
+        self.trainer, self._theta, self._version = trainer, theta, version
         self._activity, self._counters = activity, counters
         self.fold_rule, self.keep = swarm.overlap_fold, swarm.overlap_keep
+        self.start_from = swarm.overlap_from
         self._thread: threading.Thread | None = None
         self._outcome: RoundOutcome | None = None
         self._error: BaseException | None = None
         self._base: list[torch.Tensor] | None = None
         """b: the parameters the phase after the handed-off one started from."""
         self._correction: list[torch.Tensor] | None = None
-        """`pull`: what the phase's δ gains (`report`)."""
+        """`pull`, `mix`: what the phase's δ gains (`report`)."""
+        self._sent: tuple[int, list[torch.Tensor]] | None = None
+        """`mix`: the version the last δ was measured against, and that δ as measured."""
         self._round_wait_s = 0.0
         """What the round in flight added to `Counters.wait_s`."""
         self._blocked_s = 0.0
@@ -78,6 +88,7 @@ class Overlap:
         if self._thread is not None:
             raise RuntimeError("a round is already in flight")
         self._activity.grouping = True
+        self._activity.formed.clear()
         self._outcome, self._error = None, None
         self._round_wait_s, self._blocked_s = 0.0, 0.0
         self._thread = threading.Thread(target=self._run, args=(work,), name="round", daemon=True)
@@ -91,6 +102,17 @@ class Overlap:
             self._error = e
         finally:
             self._round_wait_s = self._counters.wait_s - waited
+
+    def await_group(self) -> None:
+        """Before the next phase, with `overlap_from = "group"`: wait until the round in
+        flight has formed its group (its all-reduce starts) or has ended. The wait counts as
+        the training thread's, as a blocking round's does."""
+        if self.start_from != "group" or self._thread is None:
+            return
+        t0 = time.perf_counter()
+        while self._thread.is_alive() and not self._activity.formed.wait(JOIN_POLL_S):
+            pass
+        self._blocked_s += time.perf_counter() - t0
 
     def begin_phase(self) -> bool:
         """At a phase's start: True when it starts from the current local parameters (a round
@@ -146,21 +168,38 @@ class Overlap:
 
     def report(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         """The phase's δ as sent: θ − θ_local, plus what `pull` adds so that it is the
-        phase's own progress (ALGORITHMS §1.1)."""
+        phase's own progress, or `mix` so that it holds the group's last average rather than
+        our own last δ (ALGORITHMS §1.1). `mix` keeps δ as measured for the next fold."""
         correction, self._correction = self._correction, None
+        if self.fold_rule == "mix":
+            self._sent = (self._version(), [d.clone() for d in delta])
         if correction is None:
             return delta
         return [d + c for d, c in zip(delta, correction, strict=True)]
 
+    def _mix_correction(
+        self, outcome: RoundOutcome | None, sent: tuple[int, list[torch.Tensor]] | None
+    ) -> list[torch.Tensor] | None:
+        """`mix`: κ·(Δ − δ_own), Δ the average of the update `outcome` applied and δ_own our
+        δ as measured (`sent`), when that update is on the state δ_own was measured against;
+        else None (ALGORITHMS §1.1)."""
+        update = None if outcome is None else outcome.update
+        if update is None or sent is None or update.base_version != sent[0]:
+            return None
+        return [self.keep * (a - d) for a, d in zip(update.average, sent[1], strict=True)]
+
     def _fold(self, outcome: RoundOutcome | None, base: list[torch.Tensor]) -> None:
-        theta = self._theta()
-        applied = outcome is not None and outcome.applied
-        if not applied:  # this phase's progress only, on the state as it is now
+        theta, sent, self._sent = self._theta(), self._sent, None
+        correction = self._mix_correction(outcome, sent) if self.fold_rule == "mix" else None
+        if correction is not None:  # θ_local ← θ + κ(θ_local − θ); the δ gains κ(Δ − δ_own)
+            self.trainer.rebase(theta, theta, self.keep)
+            self._correction = correction
+        elif outcome is None or not outcome.applied or self.fold_rule == "mix":
+            # nothing of ours applied, or (mix) not on the state our δ was measured against:
+            # this phase's progress only, on the state as it is now
             self.trainer.rebase(theta, base, 1.0)
         elif self.fold_rule == "rebase":
             self.trainer.rebase(theta, base, self.keep)
-        elif self.fold_rule == "mix":
-            self.trainer.rebase(theta, theta, self.keep)
         else:  # pull: mix's parameters; the δ gains (θ_after − θ) + (b − θ_before)
             before = self.trainer.snapshot()
             self.trainer.rebase(theta, theta, self.keep)

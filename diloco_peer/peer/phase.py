@@ -154,6 +154,8 @@ def head_plan(plan: list[int], batch: int) -> dict[str, int]:
 class Folds(Protocol):
     """A round in flight whose θ_global a phase folds in (peer/overlap.py `Overlap`)."""
 
+    def await_group(self) -> None: ...
+
     def begin_phase(self) -> bool: ...
 
     def poll(self) -> bool: ...
@@ -265,6 +267,8 @@ class Phase:
         (`overlap`), from the local parameters, folding the round's θ_global in at the first
         step boundary after it ends (peer/overlap.py). Returns the contribution and the mean
         loss. Raises PhasePaused or StopRequested."""
+        if overlap is not None:  # `overlap_from = "group"`: the round's group is formed first
+            overlap.await_group()
         plan = self.plan_shards(steps, others)
         done = [0] * len(plan)  # steps trained per shard in this phase
         self._last_step_t = time.perf_counter()

@@ -26,8 +26,9 @@ import torch
 from hivemind.utils import get_dht_time
 
 from diloco_peer.averaging.certificate import Statement, unpack_headers
-from diloco_peer.averaging.group_averager import GroupAverager, GroupResult
+from diloco_peer.averaging.group_averager import Admission, GroupAverager, GroupResult
 from diloco_peer.averaging.hierarchy import two_stage
+from diloco_peer.averaging.matchmaking import Group
 from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free.swarm_view import group_plan
 from diloco_peer.coordinator_free.update_log import UpdateRecord
@@ -64,6 +65,9 @@ class RoundOutcome:
     """The applied update (COMMITTED, ALONE)."""
     reason: str = ""
     """Why δ was kept (KEPT)."""
+    update: UpdateRecord | None = None
+    """The applied update (COMMITTED, ALONE): its base version and the group's average, which
+    an overlapped `mix` fold reports in place of our own last δ (peer/overlap.py)."""
 
     @property
     def applied(self) -> bool:
@@ -168,7 +172,7 @@ class Round:
                 key, offer.delta, weight=weight, gather=offer.gather,
                 target_size=plan.target_size, matchmaking_timeout_s=plan.timeout_s,
                 allreduce_timeout_s=self.swarm.allreduce_timeout_s,
-                admit=self.guard.admit(offer.round),
+                admit=self._formed(self.guard.admit(offer.round)),
                 give_up=self._superseded,
             )  # fmt: skip
         except LeftOut as e:  # a group under this key goes on without us: never apply δ alone
@@ -223,6 +227,16 @@ class Round:
         # the envelope's weight is ignored: the admission (Guard.admit) derives every member's
         # weight from its signed header, the same on every member
         return key, offer, self.guard.envelope_weight()
+
+    def _formed(self, admit: Callable[[Group], Admission]) -> Callable[[Group], Admission]:
+        """`admit`, which the averager calls once our group is formed, telling the training
+        thread first (`Activity.formed`: an overlapped phase that starts with the all-reduce)."""
+
+        def formed(group: Group) -> Admission:
+            self.activity.formed.set()
+            return admit(group)
+
+        return formed
 
     def _superseded(self) -> bool:
         """Whether our group search should stop: the swarm moved past our state to one we have
@@ -340,7 +354,7 @@ class Round:
             stalenesses or {self.me[-8:]: staleness}, timings=timings, ready=ready,
         )  # fmt: skip
         status = RoundStatus.ALONE if result is None else RoundStatus.COMMITTED
-        return RoundOutcome(status, report)
+        return RoundOutcome(status, report, update=record)
 
     def _rivals(self, record: UpdateRecord) -> list[Statement]:
         """The claims of other groups on our base that we give the version up to. A claim we
@@ -387,7 +401,7 @@ class Round:
             {self.me[-8:]: record.base_version - mine.base_version},
             version=record.base_version + 1, timings=timings, ready=ready,
         )  # fmt: skip
-        return RoundOutcome(RoundStatus.COMMITTED, report)
+        return RoundOutcome(RoundStatus.COMMITTED, report, update=record)
 
     def applied(
         self,

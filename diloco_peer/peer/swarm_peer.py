@@ -222,8 +222,8 @@ class SwarmPeer:
             controls=Controls(self._stop, self._paused, self.on_step, self.heads.publish,
                               self.heads.view, self.finished),
         )  # fmt: skip
-        self.overlap = Overlap(trainer, lambda: self.state.theta, swarm, self.activity,
-                               self.counters)  # fmt: skip
+        self.overlap = Overlap(trainer, lambda: self.state.theta, lambda: self.state.version,
+                               swarm, self.activity, self.counters)  # fmt: skip
         self.round = Round(
             me=self.peer_id, swarm=swarm, replica=self.replica, training=self.training,
             guard=self.guard, averager=lambda: self._network().averager, heads=self.heads,
