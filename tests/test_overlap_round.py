@@ -38,13 +38,15 @@ class _Params:
 
 
 def _overlap(local: float, theta: float, fold: str = "mix", keep: float = 0.5,
-             start_from: str = "phase", activity: Activity | None = None):  # fmt: skip
+             start_from: str = "phase", activity: Activity | None = None,
+             damping: float | None = None):  # fmt: skip
     trainer = _Params(local)
     state = [torch.full((3,), theta)]
     swarm = SwarmSettings(overlap=True, overlap_fold=fold, overlap_keep=keep,
                           overlap_from=start_from)  # type: ignore[arg-type]  # fmt: skip
-    overlap = Overlap(trainer, lambda: state, lambda: 0, swarm, activity or Activity(),  # type: ignore[arg-type]
-                      Counters())  # fmt: skip
+    known = None if damping is None else [torch.full((3,), damping)]
+    overlap = Overlap(trainer, lambda: state, lambda: 0, lambda: known, swarm,  # type: ignore[arg-type]
+                      activity or Activity(), Counters())  # fmt: skip
     return trainer, state, overlap
 
 
@@ -134,7 +136,16 @@ def test_mix_folds_an_update_on_another_state_as_rebase_with_all_progress_kept()
     release.set()
     overlap.settle()
     assert _value(trainer) == pytest.approx(-5.0)  # θ + (θ_local − b): the progress whole
-    assert overlap.report([torch.full((3,), 2.0)])[0].eq(2.0).all()  # nothing added
+    assert overlap.report([torch.full((3,), 2.0)])[0].eq(2.0).all()  # nothing known to add
+
+
+def test_a_mix_delta_that_was_not_mixed_carries_the_common_term_the_replica_knows() -> None:
+    # A phase that began on θ_global (or fell back to rebase) sends its progress plus κ times
+    # Δ − (θ_{v−1} − θ_v) of the update that made its version, as the members that mixed do.
+    _, _, overlap = _overlap(local=0.0, theta=0.0, fold="mix", keep=0.5, damping=-0.8)
+    assert overlap.report([torch.full((3,), 2.0)])[0].eq(2.0 + 0.5 * -0.8).all()
+    _, _, rebase = _overlap(local=0.0, theta=0.0, fold="rebase", keep=1.0, damping=-0.8)
+    assert rebase.report([torch.full((3,), 2.0)])[0].eq(2.0).all()  # rebase: progress alone
 
 
 def test_the_group_start_waits_for_the_rounds_group_or_its_end() -> None:
@@ -237,7 +248,7 @@ def test_what_the_round_raised_is_raised_in_the_training_thread() -> None:
 def test_a_peer_is_in_a_round_from_the_hand_off_until_the_round_ends() -> None:
     # its head says "in a group" while its next phase trains: async peers wait for it
     activity = Activity(training=True, eta=123.0)
-    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], lambda: 0,  # type: ignore[arg-type]
+    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], lambda: 0, lambda: None,  # type: ignore[arg-type]
                       SwarmSettings(overlap=True), activity, Counters())  # fmt: skip
 
     def work() -> RoundOutcome:
@@ -252,7 +263,7 @@ def test_a_peer_is_in_a_round_from_the_hand_off_until_the_round_ends() -> None:
 
 def test_a_rounds_waits_count_as_idle_only_while_the_training_thread_waits_for_it() -> None:
     counters = Counters(started_training=True, t_first_train=time.time() - 100.0)
-    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], lambda: 0,  # type: ignore[arg-type]
+    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], lambda: 0, lambda: None,  # type: ignore[arg-type]
                       SwarmSettings(overlap=True), Activity(), counters)  # fmt: skip
 
     def waits(seconds: float) -> RoundOutcome:
@@ -302,7 +313,11 @@ def _demo(protocol: str, tmp: Path) -> tuple[dict, list[dict]]:
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(260)
-@pytest.mark.parametrize("protocol", ["sync", "async"])
+@pytest.mark.parametrize(
+    # sync's `rebase` rounds also run in the default suite's kill and late-join test below
+    "protocol",
+    [pytest.param("sync", marks=pytest.mark.slow), "async"],
+)
 def test_peers_train_through_their_rounds_and_agree(protocol: str, tmp_path: Path) -> None:
     doc, events = _demo(protocol, tmp_path)
     assert doc["overlap"] and doc["hashes_agree"], doc

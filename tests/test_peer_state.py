@@ -98,6 +98,9 @@ def test_a_pause_mid_phase_keeps_the_partial_delta_and_a_stop_ends_the_phase(
 class _RoundInFlight:
     """A round in flight (phase.Folds) that never folds anything: the phase trains on."""
 
+    def await_group(self) -> None:
+        pass
+
     def begin_phase(self) -> bool:
         return True
 
@@ -214,6 +217,27 @@ def test_a_replica_behind_replays_another_replicas_updates_to_the_same_hash(
     assert behind.state.hash() != published
     behind.restore()
     assert behind.state.hash() == published and behind.version == 2
+
+
+def test_the_last_updates_damping_is_its_average_less_the_step_it_moved_theta_by(
+    run: RunSpec,
+) -> None:
+    ahead, behind = two_replicas(run)
+    assert ahead.last_damping() is None  # version 0: no update made it
+    commit_twice(ahead, run, {})  # v0 -> v1 -> v2, each published
+    record = UpdateRecord.from_bytes(ahead.updates.get(1) or b"")  # the update v1 -> v2
+    assert ahead.parent is not None and ahead.blob is not None
+    behind.load(ahead.parent.data)  # θ at v1, the state that update applied to
+    expect = [a - (before - after) for a, before, after in
+              zip(record.average, behind.state.theta, ahead.state.theta, strict=True)]  # fmt: skip
+    damping = ahead.last_damping()
+    assert damping is not None
+    assert all(torch.equal(d, e) for d, e in zip(damping, expect, strict=True))
+    # the outer step (Nesterov, lr 0.7) did not move θ by the average itself
+    assert not all(torch.allclose(d, torch.zeros_like(d)) for d in damping)
+    behind.load(ahead.blob.data)  # a download straight to v2: no step seen here
+    behind.snapshot()
+    assert behind.version == 2 and behind.last_damping() is None
 
 
 @pytest.mark.timeout(120)

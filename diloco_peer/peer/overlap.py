@@ -52,11 +52,14 @@ class Overlap:
         trainer: InnerTrainer,
         theta: Callable[[], list[torch.Tensor]],
         version: Callable[[], int],
+        damping: Callable[[], list[torch.Tensor] | None],
         swarm: SwarmSettings,
         activity: Activity,
         counters: Counters,
     ) -> None:
         self.trainer, self._theta, self._version = trainer, theta, version
+        self._damping = damping
+        """`mix`: Δ − (θ_{v−1} − θ_v) of the update that made our version (`Replica.last_damping`)."""
         self._activity, self._counters = activity, counters
         self.fold_rule, self.keep = swarm.overlap_fold, swarm.overlap_keep
         self.start_from = swarm.overlap_from
@@ -168,11 +171,18 @@ class Overlap:
 
     def report(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         """The phase's δ as sent: θ − θ_local, plus what `pull` adds so that it is the
-        phase's own progress, or `mix` so that it holds the group's last average rather than
-        our own last δ (ALGORITHMS §1.1). `mix` keeps δ as measured for the next fold."""
+        phase's own progress, or what `mix` adds so that it is the phase's progress plus
+        κ·(Δᵗ − (θᵗ − θᵗ⁺¹)) of the update that made our version, whether this phase mixed
+        (the group's last average in place of our own last δ) or not (a phase that began on
+        θᵗ⁺¹, a fold that fell back to `rebase`: the term from the replica, when it stepped to
+        that version itself) (ALGORITHMS §1.1). `mix` keeps δ as measured for the next fold."""
         correction, self._correction = self._correction, None
         if self.fold_rule == "mix":
             self._sent = (self._version(), [d.clone() for d in delta])
+            if correction is None:  # not mixed: the phase's progress, plus the common term
+                damping = self._damping()
+                if damping is not None:
+                    correction = [self.keep * d for d in damping]
         if correction is None:
             return delta
         return [d + c for d, c in zip(delta, correction, strict=True)]

@@ -121,6 +121,24 @@ class Replica:
             raise ConfigError(f"downloaded state is not a valid safetensors blob ({e})") from e
         self.state.load(tensors, metadata)
 
+    def last_damping(self) -> list[torch.Tensor] | None:
+        """Δ − (θ_{v−1} − θ_v) of the update that made our published version v: its average
+        less the step it moved θ by (ALGORITHMS §1.1: an overlapped `mix` δ carries κ times
+        it), from the update log's record and the snapshot of the version below (`parent`);
+        None when we did not step to v from v − 1 here (a download, a jump) or its record is
+        gone from the log."""
+        blob, parent, data = self.blob, self.parent, self.updates.get(self.state.version - 1)
+        if data is None or blob is None or parent is None or blob.version != self.state.version:
+            return None
+        record = UpdateRecord.from_bytes(data)  # kept by us: checked when it was applied
+        if (record.base_hash, record.result_hash) != (parent.state_hash, blob.state_hash):
+            return None  # another branch's update at that version
+        before = st_load(parent.data)
+        return [
+            a - (before[f"theta.{i}"] - t)
+            for i, (a, t) in enumerate(zip(record.average, self.state.theta, strict=True))
+        ]
+
     # ----- updates
 
     def commit(

@@ -223,7 +223,8 @@ class SwarmPeer:
                               self.heads.view, self.finished),
         )  # fmt: skip
         self.overlap = Overlap(trainer, lambda: self.state.theta, lambda: self.state.version,
-                               swarm, self.activity, self.counters)  # fmt: skip
+                               self.replica.last_damping, swarm, self.activity,
+                               self.counters)  # fmt: skip
         self.round = Round(
             me=self.peer_id, swarm=swarm, replica=self.replica, training=self.training,
             guard=self.guard, averager=lambda: self._network().averager, heads=self.heads,
