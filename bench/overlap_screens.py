@@ -6,7 +6,8 @@ process alone is SIGKILLed after its second applied round (its children are left
 after the OOM killer); d joins late (it downloads the state); all run until --until-version.
 Per run: whether the survivors ended on one state at the last version, every `excluded` event
 (who excluded whom, at which version, why), every peer's catch-ups (download or replay: a peer
-that reached its version by a download knows no common `mix` term for its first δ,
+whose download ended with the head's update replayed on the version below, "download-step",
+knows the common `mix` term for its first δ; one that downloaded the head alone does not,
 docs/algorithms.md §1.1), the rounds and how many of them were overlapped.
 
     python bench/overlap_screens.py --runs 4 --fold mix --keep 0.5 --start-from group \\
@@ -98,7 +99,11 @@ def one_run(a: argparse.Namespace, folder: Path) -> dict[str, Any]:
             if e["event"] == "excluded"
         ],  # fmt: skip
         "catch_ups": {
-            name: [[e["version"], e.get("method")] for e in evs if e["event"] == "catch_up"]
+            name: [
+                [e["version"], e.get("method") + ("-step" if e.get("stepped") else "")]
+                for e in evs
+                if e["event"] == "catch_up"
+            ]  # fmt: skip
             for name, evs in events.items()
         },  # fmt: skip
         "wall_s": round(time.time() - t0, 1),
@@ -114,12 +119,15 @@ def main() -> int:
     p.add_argument("--until-version", type=int, default=12)
     p.add_argument("--timeout-s", type=float, default=250.0, help="per survivor, after d joins")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--logs", type=Path, default=None, help="keep each run's peers' logs here")
     a = p.parse_args()
+    if a.logs is not None and a.logs.exists() and any(a.logs.iterdir()):
+        p.error(f"--logs {a.logs} is not empty; name a new folder")
     runs = []
     with tempfile.TemporaryDirectory(prefix="overlap-screens-") as tmp:
         for i in range(a.runs):
-            folder = Path(tmp) / f"run{i}"
-            folder.mkdir()
+            folder = (a.logs or Path(tmp)) / f"run{i}"
+            folder.mkdir(parents=True)
             runs.append(one_run(a, folder))
             r = runs[-1]
             say(f"run {i + 1}/{a.runs}: one state {r['one_branch']} at v{r['last_agreed']}, "

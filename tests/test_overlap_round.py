@@ -3,7 +3,6 @@ logic, then real peers that train through their rounds."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -11,19 +10,20 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import FAST_RUN
 
 from diloco_peer.config import SwarmSettings
-from diloco_peer.coordinator_free.update_log import UpdateRecord
 from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
+from diloco_peer.peer.delta import Contribution
 from diloco_peer.peer.events import read_log
 from diloco_peer.peer.heads import Activity
 from diloco_peer.peer.inner import InnerTrainer
 from diloco_peer.peer.overlap import Overlap
-from diloco_peer.peer.round import RoundOutcome, RoundStatus
+from diloco_peer.peer.round import Round, RoundOutcome, RoundStatus
 from diloco_peer.peer.telemetry import Counters, RoundReport
 
 
@@ -38,14 +38,12 @@ class _Params:
 
 
 def _overlap(local: float, theta: float, fold: str = "mix", keep: float = 0.5,
-             start_from: str = "phase", activity: Activity | None = None,
-             damping: float | None = None):  # fmt: skip
+             start_from: str = "phase", activity: Activity | None = None):  # fmt: skip
     trainer = _Params(local)
     state = [torch.full((3,), theta)]
     swarm = SwarmSettings(overlap=True, overlap_fold=fold, overlap_keep=keep,
                           overlap_from=start_from)  # type: ignore[arg-type]  # fmt: skip
-    known = None if damping is None else [torch.full((3,), damping)]
-    overlap = Overlap(trainer, lambda: state, lambda: 0, lambda: known, swarm,  # type: ignore[arg-type]
+    overlap = Overlap(trainer, lambda: state, swarm,  # type: ignore[arg-type]
                       activity or Activity(), Counters())  # fmt: skip
     return trainer, state, overlap
 
@@ -60,13 +58,6 @@ APPLIED = RoundOutcome(
                 bytes_sent=0, bytes_received=0, steps=10, staleness=0, members=["a", "b"]),
 )  # fmt: skip
 KEPT = RoundOutcome(RoundStatus.KEPT, reason="no group")
-
-
-def _applied_at(base_version: int, average: float) -> RoundOutcome:
-    """APPLIED, with the update it applied: on `base_version`, the group's mean δ `average`."""
-    record = UpdateRecord(base_version=base_version, base_hash="a" * 64, result_hash="b" * 64,
-                          count=2, shard_samples={}, average=(torch.full((3,), average),))  # fmt: skip
-    return dataclasses.replace(APPLIED, update=record)
 
 
 def _round_in_flight(overlap: Overlap, outcome: RoundOutcome | None) -> threading.Event:
@@ -91,8 +82,7 @@ def _end(overlap: Overlap) -> None:
 
 def test_applied_round_is_mixed_in_at_the_first_step_boundary_after_it_ends() -> None:
     trainer, state, overlap = _overlap(local=1.0, theta=0.0, fold="mix", keep=0.5)
-    overlap.report([torch.full((3,), -1.0)])  # the δ handed off, measured against v0
-    release = _round_in_flight(overlap, _applied_at(0, -1.0))
+    release = _round_in_flight(overlap, APPLIED)
     assert overlap.begin_phase()  # in flight: the phase starts from its own parameters
     trainer.params[0] += 1.0  # a step: local 2.0
     assert not overlap.poll()  # the round is still running: nothing folded
@@ -104,48 +94,52 @@ def test_applied_round_is_mixed_in_at_the_first_step_boundary_after_it_ends() ->
     assert not overlap.poll()  # once
 
 
-def test_mix_reports_the_groups_average_in_place_of_the_peers_own_last_delta() -> None:
-    # Our last δ (measured against v0 = θ 0.0) was 1.0, the group's mean Δ 3.0: after the mix,
-    # the next δ is the phase's own progress (κ of it before the fold) plus κ(Δ − θᵗ + θᵗ⁺¹),
-    # the same for every member of the group, rather than κ(δ_own − θᵗ + θᵗ⁺¹).
+def test_mix_reports_the_phases_progress_without_what_the_merge_leaves_in_the_delta() -> None:
+    # The merge keeps κ(b − θᵗ⁺¹) in the parameters; the δ measured against θᵗ⁺¹ then holds
+    # κ(θᵗ⁺¹ − b), our own last δ less the outer step, which points against the other
+    # members'. `report` takes it out: the phases' progress, κ of it before the fold (the
+    # round adds the term every member of its group shares, `Round._sent`).
     trainer, state, overlap = _overlap(local=-1.0, theta=0.0, fold="mix", keep=0.5)
-    assert overlap.report([torch.ones(3)])[0].eq(1.0).all()  # sent as measured; kept
-    release = _round_in_flight(overlap, _applied_at(0, 3.0))
+    release = _round_in_flight(overlap, APPLIED)
     assert overlap.begin_phase()  # b = −1.0
     trainer.params[0] -= 1.0  # progress 1.0 before the fold: local −2.0
-    state[0].fill_(-4.0)  # θᵗ⁺¹: the outer step moved θ by −4.0
+    state[0].fill_(-4.0)  # θᵗ⁺¹
     release.set()
     _end(overlap)
     assert overlap.poll()
     assert _value(trainer) == pytest.approx(-3.0)  # −4 + 0.5 (−2 + 4)
     trainer.params[0] -= 0.5  # progress 0.5 after the fold: local −3.5
-    measured = state[0] - trainer.params[0]  # κ·1.0 + 0.5 + κ(δ_own 1.0 − 4.0) = −0.5
+    measured = state[0] - trainer.params[0]  # κ·1.0 + 0.5 + κ(θᵗ⁺¹ − b) = −0.5
     assert float(measured[0]) == pytest.approx(-0.5)
-    sent = overlap.report([measured])[0]  # plus κ(Δ − δ_own) = 0.5 (3.0 − 1.0)
-    assert float(sent[0]) == pytest.approx(0.5 * 1.0 + 0.5 + 0.5 * (3.0 - 4.0))
+    sent = overlap.report([measured])[0]
+    assert float(sent[0]) == pytest.approx(0.5 * 1.0 + 0.5)
+    assert overlap.report([measured])[0].eq(measured).all()  # once
 
 
-def test_mix_folds_an_update_on_another_state_as_rebase_with_all_progress_kept() -> None:
-    # the round caught up first: its update is on v1, not on v0 where our δ was measured
-    trainer, state, overlap = _overlap(local=-1.0, theta=0.0, fold="mix", keep=0.5)
-    overlap.report([torch.ones(3)])
-    release = _round_in_flight(overlap, _applied_at(1, 3.0))
-    assert overlap.begin_phase()  # b = −1.0
-    trainer.params[0] -= 1.0
-    state[0].fill_(-4.0)
-    release.set()
-    overlap.settle()
-    assert _value(trainer) == pytest.approx(-5.0)  # θ + (θ_local − b): the progress whole
-    assert overlap.report([torch.full((3,), 2.0)])[0].eq(2.0).all()  # nothing known to add
+class _Replica:
+    def __init__(self, damping: list[torch.Tensor] | None) -> None:
+        self.damping = damping
+
+    def last_damping(self) -> list[torch.Tensor] | None:
+        return self.damping
 
 
-def test_a_mix_delta_that_was_not_mixed_carries_the_common_term_the_replica_knows() -> None:
-    # A phase that began on θ_global (or fell back to rebase) sends its progress plus κ times
-    # Δ − (θ_{v−1} − θ_v) of the update that made its version, as the members that mixed do.
-    _, _, overlap = _overlap(local=0.0, theta=0.0, fold="mix", keep=0.5, damping=-0.8)
-    assert overlap.report([torch.full((3,), 2.0)])[0].eq(2.0 + 0.5 * -0.8).all()
-    _, _, rebase = _overlap(local=0.0, theta=0.0, fold="rebase", keep=1.0, damping=-0.8)
-    assert rebase.report([torch.full((3,), 2.0)])[0].eq(2.0).all()  # rebase: progress alone
+@pytest.mark.parametrize(
+    ("fold", "overlap", "known", "sent"),
+    [("mix", True, True, 2.0 + 0.5 * -0.8), ("mix", True, False, 2.0),
+     ("rebase", True, True, 2.0), ("mix", False, True, 2.0)],
+)  # fmt: skip
+def test_a_mix_delta_is_offered_with_the_term_of_the_version_its_group_is_at(
+    fold: str, overlap: bool, known: bool, sent: float
+) -> None:
+    # Round._sent: progress plus κ·(Δ − (θ_{v−1} − θ_v)) of the update that made the replica's
+    # version, when the replica knows it; every other rule, and blocking rounds, send δ alone.
+    swarm = SwarmSettings(overlap=overlap, overlap_fold=fold, overlap_keep=0.5)  # type: ignore[arg-type]
+    replica = _Replica([torch.full((3,), -0.8)] if known else None)
+    holder = SimpleNamespace(swarm=swarm, replica=replica)
+    mine = Contribution([torch.full((3,), 2.0)], base_version=3, shard_samples={}, steps=1)
+    offered = Round._sent(holder, mine)  # type: ignore[arg-type]
+    assert offered[0].eq(sent).all() and mine.delta[0].eq(2.0).all()  # the ledger's δ as it was
 
 
 def test_the_group_start_waits_for_the_rounds_group_or_its_end() -> None:
@@ -248,7 +242,7 @@ def test_what_the_round_raised_is_raised_in_the_training_thread() -> None:
 def test_a_peer_is_in_a_round_from_the_hand_off_until_the_round_ends() -> None:
     # its head says "in a group" while its next phase trains: async peers wait for it
     activity = Activity(training=True, eta=123.0)
-    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], lambda: 0, lambda: None,  # type: ignore[arg-type]
+    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)],  # type: ignore[arg-type]
                       SwarmSettings(overlap=True), activity, Counters())  # fmt: skip
 
     def work() -> RoundOutcome:
@@ -263,7 +257,7 @@ def test_a_peer_is_in_a_round_from_the_hand_off_until_the_round_ends() -> None:
 
 def test_a_rounds_waits_count_as_idle_only_while_the_training_thread_waits_for_it() -> None:
     counters = Counters(started_training=True, t_first_train=time.time() - 100.0)
-    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)], lambda: 0, lambda: None,  # type: ignore[arg-type]
+    overlap = Overlap(_Params(1.0), lambda: [torch.zeros(3)],  # type: ignore[arg-type]
                       SwarmSettings(overlap=True), Activity(), counters)  # fmt: skip
 
     def waits(seconds: float) -> RoundOutcome:

@@ -18,7 +18,7 @@ from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.manifest import Manifest
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.state_transfer import StateBlob, StateTransferFailed
-from diloco_peer.coordinator_free.swarm_view import SwarmView, run_ended
+from diloco_peer.coordinator_free.swarm_view import HeadChoice, SwarmView, run_ended
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
 from diloco_peer.errors import CheckpointError, TransferFailure
 from diloco_peer.identity import Identity
@@ -217,6 +217,82 @@ def test_a_replica_behind_replays_another_replicas_updates_to_the_same_hash(
     assert behind.state.hash() != published
     behind.restore()
     assert behind.state.hash() == published and behind.version == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_mixing_peers_download_steps_from_the_version_below_so_it_knows_the_damping(
+    run: RunSpec,
+) -> None:
+    """With `with_step` (an overlapped `mix` peer), a download fetches the head's certified
+    update and the state it starts from (the donors' parent), and replays it: the replica
+    ends at the head with the donor's `last_damping`. A forged update, a donor without the
+    version below, or no `with_step` give the plain download: the head, no damping."""
+    ahead, behind = two_replicas(run)
+    seals: dict[int, dict[str, bytes]] = {}
+    commit_twice(ahead, run, seals)
+    assert ahead.blob is not None and ahead.parent is not None
+    calls: list[str] = []
+    forged: dict[int, bytes] = {}
+    keeps_parent = [True]
+
+    class FromAhead:
+        def update(self, donor: str, base_version: int) -> bytes:
+            calls.append(f"update {base_version}")
+            data = forged.get(base_version) or ahead.updates.get(base_version)
+            assert data is not None
+            return data
+
+        def state(self, donor: str) -> StateBlob:
+            calls.append("state")
+            assert ahead.blob is not None
+            return ahead.blob
+
+        def state_multi(self, donors: list[str], state_hash: str) -> StateBlob:
+            calls.append(f"multi {state_hash[:8]}")
+            for blob in (ahead.blob, ahead.parent if keeps_parent[0] else None):
+                if blob is not None and blob.state_hash == state_hash:
+                    return blob
+            raise StateTransferFailed("state moved on", kind=TransferFailure.REFUSED)
+
+    check = certifier(behind)
+
+    def catch_up(with_step: bool) -> CatchUp:
+        return CatchUp(behind, FromAhead(), me="PeerB", keep_updates=0,  # type: ignore[arg-type]
+                       verify=lambda r: check.check(r, seals.get(r.base_version, {})),
+                       with_step=with_step)  # fmt: skip
+
+    head = HeadChoice(2, ahead.published_hash, ("PeerA", "PeerC"), lost_fork=False)
+    expect = ahead.last_damping()
+    assert expect is not None
+
+    def moved(with_step: bool) -> list[torch.Tensor] | None:
+        """Back to v0, catch up to the head, and the damping the replica then knows."""
+        behind.load(ahead_v0)
+        behind.snapshot()
+        calls.clear()
+        done = catch_up(with_step).run(head)
+        assert done is not None and done.method == "download"
+        assert (behind.version, behind.published_hash) == (2, ahead.published_hash)
+        return behind.last_damping()
+
+    ahead_v0 = behind.blob.data if behind.blob is not None else b""
+    parent_hash = ahead.parent.state_hash[:8]
+    damping = moved(with_step=True)
+    assert calls == ["update 1", f"multi {parent_hash}"]
+    assert damping is not None
+    assert all(torch.equal(d, e) for d, e in zip(damping, expect, strict=True))
+    kept, served = (UpdateRecord.from_bytes(r.updates.get(1) or b"") for r in (behind, ahead))
+    assert (kept.base_hash, kept.result_hash) == (served.base_hash, served.result_hash)  # kept
+    assert moved(with_step=False) is None and calls == [f"multi {ahead.published_hash[:8]}"]
+    # a forged update (another average under the member's seal) is refused before any state
+    real = UpdateRecord.from_bytes(ahead.updates.get(1) or b"")
+    forged[1] = dataclasses.replace(real, average=tuple(a * 50 for a in real.average)).to_bytes()
+    assert moved(with_step=True) is None
+    assert calls == ["update 1", "update 1", f"multi {ahead.published_hash[:8]}"]
+    forged.clear()
+    keeps_parent[0] = False  # donors that no longer keep the version below theirs
+    assert moved(with_step=True) is None
+    assert calls == ["update 1", f"multi {parent_hash}", f"multi {ahead.published_hash[:8]}"]
 
 
 def test_the_last_updates_damping_is_its_average_less_the_step_it_moved_theta_by(

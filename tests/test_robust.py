@@ -272,6 +272,32 @@ def test_cosine_screening_catches_flipped_and_random_parts(members: int) -> None
     assert screen([torch.zeros(20_000), *parts[1:]]) == {}
 
 
+@pytest.mark.timeout(30)
+def test_a_term_every_part_shares_is_taken_out_before_the_direction_screen() -> None:
+    """Overlapped `mix` δs (ALGORITHMS §1.1): progress plus a term every member of the group
+    adds, which points against the progress (it damps the last outer step). Members whose
+    progress is longer and shorter than the term then fall on its two sides, and the plain
+    screen excludes an honest one; with the term as `reference`, the screen sees the progress
+    alone: the honest pass, a flipped progress does not."""
+    progress = honest_parts(3, 20_000, seed=5)
+    direction = sum(progress) / 3
+    term = -0.8 * direction * 2.0  # against the progress, between the short ones and the long
+    lengths = (1.0, 1.0, 3.0)  # two phases that mixed (κ of their first part) and one that did not
+    sent = [length * p + term for length, p in zip(lengths, progress, strict=True)]
+
+    def screen(parts: list[Tensor], reference: Tensor | None) -> dict[int, Reason]:
+        none = [None] * len(parts)
+        excluded = screen_parts(parts, none, numel=20_000, min_cosine=0.02, tolerance=0.0,
+                                reference=reference)  # fmt: skip
+        return {i: e.reason for i, e in excluded.items()}
+
+    assert screen(sent, None) == {2: Reason.COSINE}  # the honest long one, without reference
+    assert screen(sent, term) == {}
+    flipped = [sent[0], -3.0 * progress[1] + term, sent[2]]
+    assert screen(flipped, term) == {1: Reason.COSINE}
+    assert screen(sent, term[:10]) == {2: Reason.COSINE}  # a reference of another length: none
+
+
 @pytest.mark.timeout(10)
 def test_cosine_screening_never_excludes_a_majority() -> None:
     """Uncorrelated parts with too strict a threshold: fewer than half are excluded."""

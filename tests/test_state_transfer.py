@@ -687,6 +687,8 @@ def swarm() -> Iterator[Swarm]:
         ("stalling", "B"): paced(sent, ("stalling", "B"), FAST_FRAME_S),
         ("stalling", "C"): paced(sent, ("stalling", "C"), FAST_FRAME_S, stall_answer=1),
     }
+    after = make_blob(MULTI_VERSION + 1, 1000, seed=11)  # the next version: another hash
+    earlier = {("below", "A"): lambda: truth}  # A keeps truth as its parent; B does not
     names = ("A", "B", "C", "D")
     dhts: list[DHT] = []
     nodes: dict[str, Node] = {}
@@ -706,6 +708,7 @@ def swarm() -> Iterator[Swarm]:
             ("mixed", lambda: truth, StateServer, 4),
             ("oldonly", lambda: truth, PreRangeServer, 4),
             ("tight", lambda: truth, StateServer, 1),
+            ("below", lambda: after, StateServer, 4),
         ],
         "B": [
             ("multi", lambda: truth, StateServer, 4),
@@ -719,6 +722,7 @@ def swarm() -> Iterator[Swarm]:
             ("mixed", lambda: truth, PreRangeServer, 4),
             ("oldonly", lambda: truth, PreRangeServer, 4),
             ("tight", lambda: truth, StateServer, 4),
+            ("below", lambda: after, StateServer, 4),
         ],
         "C": [
             ("multi", lambda: truth, StateServer, 4),
@@ -760,6 +764,7 @@ def swarm() -> Iterator[Swarm]:
                     run,
                     counted,
                     max_uploads=max_uploads,
+                    earlier=earlier.get((run, name)),
                     frame_bytes=CHUNK_BYTES if pace is None else PACED_FRAME,
                     pace=pace,
                 )
@@ -872,6 +877,26 @@ def test_three_donors_share_the_download(swarm: Swarm) -> None:
     assert len(seen) == ranges and seen[-1] == (len(blob.data), len(blob.data))
     assert [r for r, _ in seen] == sorted(r for r, _ in seen)
     logger.info("3 donors: %d ranges per donor %s in %.2f s", ranges, served, elapsed_s)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(30)
+def test_ranges_of_the_version_below_come_from_the_donors_that_keep_it(swarm: Swarm) -> None:
+    """A and B serve the next version; A also keeps `truth` as the version below its own
+    (`earlier`, a replica's parent). Ranges named by truth's hash come from A alone; B refuses
+    them as moved on, and a whole download still gives the current state."""
+    truth, (a, b) = swarm.truth, swarm.ids("A", "B")
+    blob = download_state_multi(
+        swarm.requester, "below", [b, a], truth.state_hash, timeout_s=20.0, range_bytes=RANGE
+    )
+    assert (blob.data, blob.version) == (truth.data, MULTI_VERSION)
+    with pytest.raises(StateTransferFailed, match="state moved on") as failure:
+        download_range(swarm.requester, "below", b, truth.state_hash, 0, 10, timeout_s=10.0)
+    assert failure.value.refusal is RefusalCode.STATE_MOVED_ON
+    with pytest.raises(StateTransferFailed, match=f"serves version {MULTI_VERSION + 1}"):
+        download_range(swarm.requester, "below", a, "1" * 64, 0, 10, timeout_s=10.0)
+    current = download_state(swarm.requester, "below", a, timeout_s=10.0)
+    assert current.version == MULTI_VERSION + 1 and current.data != truth.data
 
 
 @pytest.mark.multipeer

@@ -69,6 +69,20 @@ SETUP_TIMEOUT_S = _SERVICE_READY_TIMEOUT_S + HANDLER_CALL_TIMEOUT_S
 """The longest `start` takes to serve: the service's replica, then the handler."""
 
 
+def _chunks(
+    flat: Tensor, reference: Tensor | None
+) -> tuple[tuple[Tensor, ...], Sequence[Tensor | None]]:
+    """`flat` in its chunks (`chunk_count`), and `reference` (as long as `flat`: what my
+    reducer's direction screen takes out of every member's part, robust.screen_parts) in the
+    same chunks; ValueError if its length differs."""
+    chunks = torch.tensor_split(flat, chunk_count(flat.numel()))
+    if reference is None:
+        return chunks, [None] * len(chunks)
+    if reference.shape != flat.shape:
+        raise ValueError(f"reference has shape {tuple(reference.shape)}, not {tuple(flat.shape)}")
+    return chunks, torch.tensor_split(reference, len(chunks))
+
+
 class PartExchange(HandlerServer):
     """Serves my parts as a reducer and runs rounds as a member, on the service's loop.
 
@@ -168,6 +182,7 @@ class PartExchange(HandlerServer):
         withhold: bool = False,
         equivocate: bool = False,
         bias: bool = False,
+        reference: Tensor | None = None,
     ) -> AllReduceResult:
         """Average `flat` (1-D fp32) with the group; the same bits on every member, or raise.
 
@@ -190,9 +205,10 @@ class PartExchange(HandlerServer):
         `equivocate` is another: my reducer answers one member (the first other, sorted) with
         other bytes, signed, as a reducer patched to fork its part (receipts.forge_answer);
         `bias`, a reducer answering a fixed direction within the bound (wire.answer_part).
+        `reference`: `_chunks`.
         """
         check_bounds(bounds, len(members))
-        chunks = torch.tensor_split(flat, chunk_count(flat.numel()))
+        chunks, shifts = _chunks(flat, reference)
         rounds = [
             Round(
                 key=key,
@@ -209,6 +225,7 @@ class PartExchange(HandlerServer):
                 sign=self._sign,
                 equivocate=equivocate,
                 bias=bias,
+                reference=shifts[c],
             )
             for c, chunk in enumerate(chunks)
         ]

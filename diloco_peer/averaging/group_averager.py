@@ -410,7 +410,7 @@ class GroupAverager(BackgroundPart):
                 keys=None if plan.keys is None else [k for _, k in plan.keys],
                 withhold=self._withhold_parts is not None and self._withhold_parts(key),
                 equivocate=self._equivocate is not None and self._equivocate(key),
-                bias=self._bias is not None and self._bias(key),
+                bias=self._bias is not None and self._bias(key), reference=plan.reference,
             )  # fmt: skip
             if plan.keys is not None:
                 self._receipts.settle(plan.digest, reduced.receipts)

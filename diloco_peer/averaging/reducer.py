@@ -97,6 +97,7 @@ class Round:
         sign: Sign | None = None,
         equivocate: bool = False,
         bias: bool = False,
+        reference: Tensor | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.key, self.digest, self.compression = key, digest, compression
@@ -117,6 +118,8 @@ class Round:
         self.bias = bias
         """Test-only fault: my reducer answers a fixed direction within the bound (answer_part)."""
         self.sizes = part_sizes(numel, len(self.reducers))
+        self.reference = reference
+        """`numel` values the direction screen takes out of every part (robust.screen_parts)."""
         self.started, self.timeout_s = loop.time(), timeout_s
         self.deadline = self.started + timeout_s
         self.claimed: set[str] = set()
@@ -203,6 +206,7 @@ class Round:
                 self.compression,
                 self.sizes[self.part],
                 self.bias,
+                self._my_reference(),
             )
             answer = await asyncio.to_thread(seal_answer, answer, self.digest, self.part, self.sign)
         except AllReduceFailed as e:
@@ -217,6 +221,13 @@ class Round:
             logger.warning("%s part %s excluded %s", self.tag, self.my_part, details)
         if not self.result.done():  # the round may have failed meanwhile
             self.result.set_result(answer)
+
+    def _my_reference(self) -> Tensor | None:
+        """The slice of `reference` my part covers."""
+        if self.reference is None:
+            return None
+        start = sum(self.sizes[: self.part])
+        return self.reference[start : start + self.sizes[self.part]]
 
 
 def silent_members(rounds: Sequence[Round], now: float) -> tuple[str, ...]:

@@ -284,13 +284,17 @@ def screen_parts(
     min_cosine: float | None,
     tolerance: float,
     slack: float = _ABSOLUTE_NORM_SLACK,
+    reference: Tensor | None = None,
 ) -> dict[int, Exclusion]:
     """The parts a reducer must leave out, by index, with the reason.
 
     In order: not 1-D of `numel` values; not finite; L2 norm above bounds[i] · (1 + tolerance) +
     slack where bounds[i] (member i's declared L2 norm of its whole δ) is not None; then, when
     `min_cosine` is set and at least 3 parts remain, direction (`_direction_outliers`): a
-    sign-flipped or random vector points away from what the others agree on.
+    sign-flipped or random vector points away from what the others agree on. `reference`
+    (`numel` values), when given, is taken out of every part before the direction check: a
+    term honest parts share by construction (an overlapped `mix` δ's, ALGORITHMS §1.1), so that
+    their directions are those of their training progress.
     """
     if len(parts) != len(bounds):
         raise ValueError(f"screen_parts needs one bound per part, got {len(parts)}, {len(bounds)}")
@@ -309,7 +313,9 @@ def screen_parts(
             excluded[i] = Exclusion(Reason.NORM, f"norm {norm:.4g} above declared {bound:.4g}")
     remaining = [i for i in range(len(parts)) if i not in excluded]
     if min_cosine is not None:
-        outliers = _direction_outliers([parts[i] for i in remaining], min_cosine)
+        shift = reference if reference is not None and reference.shape == (numel,) else None
+        directions = [parts[i] if shift is None else parts[i] - shift for i in remaining]
+        outliers = _direction_outliers(directions, min_cosine)
         for k, cosine in outliers.items():
             detail = f"cosine {cosine:.3g} below {min_cosine}"
             excluded[remaining[k]] = Exclusion(Reason.COSINE, detail)
@@ -385,13 +391,14 @@ def screen_and_aggregate(
     aggregation: Aggregation,
     codec: Compression,
     numel: int,
+    reference: Tensor | None = None,
 ) -> tuple[Tensor, dict[int, Exclusion]]:
     """What a reducer computes once every member's part is in: screen, exclude, aggregate.
 
     `received[i]` is member i's decoded part of `numel` values, or its Exclusion when it could
     not be decoded. Returns the average of the included parts and every exclusion by member
     index (sorted), with its detail. Raises AllReduceFailed if every member is excluded or the
-    average is not finite (an fp32 overflow).
+    average is not finite (an fp32 overflow). `reference`: `screen_parts`'.
     """
     excluded = {i: p for i, p in enumerate(received) if isinstance(p, Exclusion)}
     decoded = [i for i, p in enumerate(received) if isinstance(p, Tensor)]
@@ -403,6 +410,7 @@ def screen_and_aggregate(
         min_cosine=aggregation.min_cosine,
         tolerance=relative,
         slack=absolute,
+        reference=reference,
     )
     excluded |= {decoded[k]: exclusion for k, exclusion in flagged.items()}
     kept = [i for i in range(len(received)) if i not in excluded]

@@ -94,6 +94,9 @@ class Admission:
     """Each admitted member's public key, from its signed header: every reducer's answers must
     carry its signed receipt, and members compare them (receipts.py, echo.py). None: receipts
     are neither checked nor compared (tests without headers)."""
+    reference: Tensor | None = None
+    """A flat vector every honest part shares by construction, which this peer's reducer takes
+    out of every part before its direction screen (robust.screen_parts); local to this peer."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ class RoundPlan:
     excluded: dict[str, str]
     digest: bytes
     keys: tuple[tuple[str, bytes], ...] | None = None
+    reference: Tensor | None = None
+    """`Admission.reference`: not part of the digest (each reducer screens by its own)."""
 
 
 def plan_round(
@@ -157,6 +162,7 @@ def plan_round(
         excluded=excluded,
         digest=hashlib.sha256(group.digest + plan.encode()).digest(),
         keys=reducer_keys(reducers, admission.keys),
+        reference=admission.reference,
     )
 
 

@@ -185,6 +185,7 @@ def answer_part(
     codec: Compression,
     numel: int,
     bias: bool = False,
+    reference: Tensor | None = None,
 ) -> tuple[bytes, dict[int, Exclusion]]:
     """What a reducer answers once every member's part is in: screen, exclude, aggregate
     (`robust.screen_and_aggregate`), and serialize the answer (`pack_answer`) once, for
@@ -192,8 +193,11 @@ def answer_part(
 
     `bias` is a test-only fault: the answer is a fixed direction (the same in every round),
     as long as the members' check allows (the longest declared norm it included, for a mean),
-    instead of the average: a reducer patched to steer its part within the norm bound."""
-    average, excluded = screen_and_aggregate(received, weights, bounds, aggregation, codec, numel)
+    instead of the average: a reducer patched to steer its part within the norm bound.
+    `reference`: what the direction screen takes out of every part (`robust.screen_parts`)."""
+    average, excluded = screen_and_aggregate(
+        received, weights, bounds, aggregation, codec, numel, reference
+    )
     included = [b for i, b in enumerate(bounds or ()) if b is not None and i not in excluded]
     if bias and included:
         direction = torch.randn(numel, generator=torch.Generator().manual_seed(numel))

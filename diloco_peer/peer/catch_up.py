@@ -127,6 +127,9 @@ class CaughtUp:
     from_version: int
     lost_fork: bool
     """Our branch lost: the δ that produced `from_version` is contributed again."""
+    stepped: bool = False
+    """A download of the version below the head, and the head's update replayed on it
+    (`CatchUp.with_step`)."""
 
 
 class CatchUp:
@@ -140,11 +143,16 @@ class CatchUp:
         me: str,
         keep_updates: int,
         verify: Callable[[UpdateRecord], None],
+        with_step: bool = False,
     ):
         self.replica, self.downloads = replica, downloads
         self.me, self.keep_updates = me, keep_updates
         self.verify = verify
         """Raises CertificateError unless a replayed update is certified (peer/certify.py)."""
+        self.with_step = with_step
+        """A download fetches the state below the head and replays the head's update on it,
+        when the donors keep both, so that the replica knows the step that made the head
+        (`Replica.last_damping`: an overlapped `mix` δ carries it)."""
 
     def run(self, choice: HeadChoice, *, probe_fork: bool = False) -> CaughtUp | None:
         """Move to `choice`; None (the replica unchanged) if no donor gave the chosen state.
@@ -162,7 +170,7 @@ class CatchUp:
         probe_fork = probe_fork and 0 < missed <= self.keep_updates  # the donors' logs hold it
         old_hash = state.hash() if probe_fork else ""  # hashing the state is not free
         horizon = self.replay_window()
-        moved: tuple[str, str, int] | None = None  # method, donor, bytes
+        moved: tuple[str, str, int, bool] | None = None  # method, donor, bytes, stepped
         told = False  # a replay told whether our branch lost
         # the donors keep these (update_log.log_capacity); a fork at our version is healed by
         # replaying the winning branch from our parent state
@@ -170,7 +178,7 @@ class CatchUp:
             for donor in donors[:REPLAY_DONORS]:
                 outcome, nbytes = self._replay(donor, choice.version, choice.state_hash)
                 if outcome in (Replay.DONE, Replay.HEALED):
-                    moved = ("replay", donor, nbytes)
+                    moved = ("replay", donor, nbytes, False)
                     lost_fork, told = lost_fork or outcome is Replay.HEALED, True
                     break
                 if outcome is Replay.FORK:
@@ -185,8 +193,10 @@ class CatchUp:
             forked, probed = self._forked(donors, old_version, old_hash)
             lost_fork = lost_fork or forked
         self.replica.snapshot()
-        method, donor, nbytes = moved
-        return CaughtUp(method, donor, probed + nbytes, time.time() - t0, old_version, lost_fork)
+        method, donor, nbytes, stepped = moved
+        return CaughtUp(
+            method, donor, probed + nbytes, time.time() - t0, old_version, lost_fork, stepped
+        )
 
     def target(
         self, view: Callable[[], SwarmView], hint: HeadChoice | None, accept: Accept | None
@@ -289,9 +299,14 @@ class CatchUp:
                 return record.base_hash != mine, nbytes
         return False, nbytes
 
-    def _download(self, donors: list[str], choice: HeadChoice) -> tuple[str, str, int] | None:
+    def _download(self, donors: list[str], choice: HeadChoice) -> tuple[str, str, int, bool] | None:
         """The full state: from all donors at once in ranges first; from one donor at a time if
-        that fails or gives another hash."""
+        that fails or gives another hash. With `with_step`, first the state below the head and
+        the head's update (`_download_step`)."""
+        if self.with_step and choice.version > 0:
+            stepped = self._download_step(donors, choice)
+            if stepped is not None:
+                return stepped
         sources = ([donors] if len(donors) > 1 else []) + [[donor] for donor in donors]
         for source in sources:
             donor = ",".join(source)  # the event's donor: one peer id, or several
@@ -311,8 +326,43 @@ class CatchUp:
                 self.replica.restore()
                 continue
             self.replica.record_state(choice.version, blob.data)
-            return "download", donor, len(blob.data)
+            return "download", donor, len(blob.data), False
         return None
+
+    def _download_step(
+        self, donors: list[str], choice: HeadChoice
+    ) -> tuple[str, str, int, bool] | None:
+        """The head's update from a donor's log (certified, and giving the head's hash), then
+        the state it starts from, from all donors at once (each serves the version below its
+        own as `Replica.parent`), and the update replayed on it: a record more than the state
+        alone. None (the replica unchanged) when no donor has both."""
+        base, record, nbytes = choice.version - 1, None, 0
+        shapes = [tuple(t.shape) for t in self.replica.state.theta]
+        for donor in donors[:REPLAY_DONORS]:
+            try:
+                data = self.downloads.update(donor, base)
+                nbytes += len(data)
+                record = UpdateRecord.from_bytes(data, shapes=shapes)
+                if (record.base_version, record.result_hash) != (base, choice.state_hash):
+                    raise ValueError(f"update {base} does not give the head's state")
+                self.verify(record)
+                break
+            except (StateTransferFailed, ValueError, ConfigError, CertificateError) as e:
+                log.info("[%s] no update to the head from %s: %s", self._tag(), donor[-6:], e)
+                record = None
+        if record is None:
+            return None
+        try:
+            below = self.downloads.state_multi(donors, record.base_hash)
+            nbytes += len(below.data)
+            self.replica.step_from(below, record)
+        except (StateTransferFailed, ValueError, ConfigError) as e:
+            log.info("[%s] no state below the head: %s", self._tag(), e)
+            self.replica.restore()
+            return None
+        self.replica.record_state(base, below.data)
+        self.replica.keep(record)
+        return "download", ",".join(donors), nbytes, True
 
     def _tag(self) -> str:
         return f"{self.me[-6:]} v{self.replica.version}"

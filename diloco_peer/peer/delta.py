@@ -3,8 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+from diloco_peer.config import SwarmSettings
+
+
+class Damped(Protocol):
+    def last_damping(self) -> list[torch.Tensor] | None: ...
+
+
+def common_term(swarm: SwarmSettings, replica: Damped) -> list[torch.Tensor] | None:
+    """What an overlapped `mix` δ offered at the replica's version v carries besides the phases'
+    progress: κ·(Δ − (θ_{v−1} − θ_v)) of the update that made v, the same for every member of a
+    group keyed by v (ALGORITHMS §1.1). None for other rules, blocking rounds, and a replica
+    that does not know it (`Replica.last_damping`)."""
+    mixing = swarm.overlap and swarm.overlap_fold == "mix"
+    damping = replica.last_damping() if mixing else None
+    return None if damping is None else [swarm.overlap_keep * t for t in damping]
 
 
 @dataclass

@@ -309,6 +309,7 @@ class Network:
         guard: Guard,
         faults: FaultPlan,
         blob: Callable[[], StateBlob | None],
+        parent: Callable[[], StateBlob | None],
         updates: Callable[[int], bytes | None],
         allow: Callable[[str], bool],
         version: Callable[[], int],
@@ -324,7 +325,9 @@ class Network:
             on_proof=guard.convict, equivocate=guard.equivocates, bias=guard.biases,
             frame=guard.frame,
         )  # fmt: skip
-        server = StateServer(node.service, prefix, blob, updates=updates, allow=allow)
+        server = StateServer(
+            node.service, prefix, blob, updates=updates, earlier=parent, allow=allow
+        )
         # joiners ask a peer that accepts connections whether they can be dialed
         dialback = None if node.client_mode else DialBackServer(node.service, prefix)
         notes = None if node.client_mode else NoteBox(node.service, prefix, allow, version)

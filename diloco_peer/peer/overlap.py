@@ -6,11 +6,10 @@ parameters. At every step boundary the phase asks `poll()`; once the round is ov
 θ_global is folded into the running parameters (`InnerTrainer.rebase`):
 
 - the round applied an update holding our δ: the swarm's fold rule (`rebase`: θ_local ← θ +
-  κ·(θ_local − b); `mix`: Streaming DiLoCo's merge θ_local ← θ + κ·(θ_local − θ), and the δ
-  sent carries the group's average Δ where the merge left our own last δ, κ·(Δ − δ_own), so
-  that honest members' δs point the same way (`report`; only for an update on the state our
-  last δ was measured against, else `rebase` with κ = 1); `pull`: mix's parameters, and the δ
-  sent is the phase's own progress, `report`);
+  κ·(θ_local − b); `mix`: Streaming DiLoCo's merge θ_local ← θ + κ·(θ_local − θ), and `report`
+  takes out the κ·(θ − b) the merge leaves in the δ, so that it is the phases' progress (the
+  round adds the term every member of its group shares: `Round._sent`); `pull`: mix's
+  parameters, and the δ sent is the phase's own progress, `report`);
 - it did not (kept for the next group, dropped, the run ended): rebase with κ = 1, so that the
   previous phase's progress leaves the parameters (it rides in the δ ledger, or is lost as a
   dropped δ is in a blocking round) and only this phase's is measured.
@@ -51,15 +50,11 @@ class Overlap:
         self,
         trainer: InnerTrainer,
         theta: Callable[[], list[torch.Tensor]],
-        version: Callable[[], int],
-        damping: Callable[[], list[torch.Tensor] | None],
         swarm: SwarmSettings,
         activity: Activity,
         counters: Counters,
     ) -> None:
-        self.trainer, self._theta, self._version = trainer, theta, version
-        self._damping = damping
-        """`mix`: Δ − (θ_{v−1} − θ_v) of the update that made our version (`Replica.last_damping`)."""
+        self.trainer, self._theta = trainer, theta
         self._activity, self._counters = activity, counters
         self.fold_rule, self.keep = swarm.overlap_fold, swarm.overlap_keep
         self.start_from = swarm.overlap_from
@@ -70,8 +65,6 @@ class Overlap:
         """b: the parameters the phase after the handed-off one started from."""
         self._correction: list[torch.Tensor] | None = None
         """`pull`, `mix`: what the phase's δ gains (`report`)."""
-        self._sent: tuple[int, list[torch.Tensor]] | None = None
-        """`mix`: the version the last δ was measured against, and that δ as measured."""
         self._round_wait_s = 0.0
         """What the round in flight added to `Counters.wait_s`."""
         self._blocked_s = 0.0
@@ -170,46 +163,26 @@ class Overlap:
         return self._outcome
 
     def report(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The phase's δ as sent: θ − θ_local, plus what `pull` adds so that it is the
-        phase's own progress, or what `mix` adds so that it is the phase's progress plus
-        κ·(Δᵗ − (θᵗ − θᵗ⁺¹)) of the update that made our version, whether this phase mixed
-        (the group's last average in place of our own last δ) or not (a phase that began on
-        θᵗ⁺¹, a fold that fell back to `rebase`: the term from the replica, when it stepped to
-        that version itself) (ALGORITHMS §1.1). `mix` keeps δ as measured for the next fold."""
+        """The phase's δ as sent into the round: θ − θ_local, plus what `pull` or `mix` adds
+        so that it is the phases' progress (ALGORITHMS §1.1)."""
         correction, self._correction = self._correction, None
-        if self.fold_rule == "mix":
-            self._sent = (self._version(), [d.clone() for d in delta])
-            if correction is None:  # not mixed: the phase's progress, plus the common term
-                damping = self._damping()
-                if damping is not None:
-                    correction = [self.keep * d for d in damping]
         if correction is None:
             return delta
         return [d + c for d, c in zip(delta, correction, strict=True)]
 
-    def _mix_correction(
-        self, outcome: RoundOutcome | None, sent: tuple[int, list[torch.Tensor]] | None
-    ) -> list[torch.Tensor] | None:
-        """`mix`: κ·(Δ − δ_own), Δ the average of the update `outcome` applied and δ_own our
-        δ as measured (`sent`), when that update is on the state δ_own was measured against;
-        else None (ALGORITHMS §1.1)."""
-        update = None if outcome is None else outcome.update
-        if update is None or sent is None or update.base_version != sent[0]:
-            return None
-        return [self.keep * (a - d) for a, d in zip(update.average, sent[1], strict=True)]
-
     def _fold(self, outcome: RoundOutcome | None, base: list[torch.Tensor]) -> None:
-        theta, sent, self._sent = self._theta(), self._sent, None
-        correction = self._mix_correction(outcome, sent) if self.fold_rule == "mix" else None
-        if correction is not None:  # θ_local ← θ + κ(θ_local − θ); the δ gains κ(Δ − δ_own)
-            self.trainer.rebase(theta, theta, self.keep)
-            self._correction = correction
-        elif outcome is None or not outcome.applied or self.fold_rule == "mix":
-            # nothing of ours applied, or (mix) not on the state our δ was measured against:
-            # this phase's progress only, on the state as it is now
+        theta = self._theta()
+        if outcome is None or not outcome.applied:
+            # nothing of ours applied: this phase's progress only, on the state as it is now
             self.trainer.rebase(theta, base, 1.0)
         elif self.fold_rule == "rebase":
             self.trainer.rebase(theta, base, self.keep)
+        elif self.fold_rule == "mix":  # θ_local ← θ + κ(θ_local − θ); the δ loses κ(θ − b)
+            self.trainer.rebase(theta, theta, self.keep)
+            self._correction = [
+                self.keep * (b.to("cpu", torch.float32) - t.to("cpu", torch.float32))
+                for b, t in zip(base, theta, strict=True)
+            ]
         else:  # pull: mix's parameters; the δ gains (θ_after − θ) + (b − θ_before)
             before = self.trainer.snapshot()
             self.trainer.rebase(theta, theta, self.keep)

@@ -46,7 +46,12 @@ class Replica:
         """The snapshot of the version just below ours, while we hold the one right after it: a
         fork at our version heals by replaying the winning branch from it (catch_up.py), which
         verifies that branch's certificate; downloading it whole would take one key's word."""
+        self._below: StateBlob | None = None
+        """A downloaded state the replica stepped from (`step_from`): the next snapshot's
+        `parent`."""
         self._norms: deque[float] = deque(maxlen=RECENT_NORMS)
+        self._damping: tuple[tuple[str, str], list[torch.Tensor]] | None = None
+        """`last_damping` of the step between these (parent, blob) hashes."""
 
     def recent_norms(self) -> list[float]:
         """Norms of the last updates applied here (a replayed one is screened against them)."""
@@ -59,7 +64,10 @@ class Replica:
         the update log to what a replay can ask for against a state of that size."""
         data = st_save(self.state.tensors(), metadata=self.state.metadata())
         blob = StateBlob(version=self.state.version, state_hash=self.state.hash(), data=data)
-        if self.blob is not None and blob.version == self.blob.version + 1:
+        below, self._below = self._below, None
+        if below is not None and blob.version == below.version + 1:
+            self.parent = below
+        elif self.blob is not None and blob.version == self.blob.version + 1:
             self.parent = self.blob
         elif self.blob is None or blob.version != self.blob.version:
             self.parent = None  # a jump: we never held the version below this one
@@ -106,8 +114,21 @@ class Replica:
             raise ValueError("no parent state kept")
         self.load(self.parent.data)
 
+    def step_from(self, below: StateBlob, record: UpdateRecord) -> None:
+        """Load a downloaded state and apply the update from it (a certified record), so that
+        the version reached keeps `below` as its parent (`last_damping`); ConfigError or
+        ValueError (the replica then needs `restore`) unless `below` holds the state its hash
+        names, at the record's base, and the record gives the hash it names."""
+        self.load(below.data)
+        at = (below.version, below.state_hash, self.state.version, self.state.hash())
+        if at != (record.base_version, record.base_hash) * 2:
+            raise ValueError("the state below the head is not the one its update starts from")
+        self.apply_record(record)
+        self._below = below
+
     def restore(self) -> None:
         """Back to the state of the snapshot (our last published version)."""
+        self._below = None
         if self.blob is not None and self.state.hash() != self.blob.state_hash:
             self.load(self.blob.data)
 
@@ -130,14 +151,19 @@ class Replica:
         blob, parent, data = self.blob, self.parent, self.updates.get(self.state.version - 1)
         if data is None or blob is None or parent is None or blob.version != self.state.version:
             return None
+        at = (parent.state_hash, blob.state_hash)
+        if self._damping is not None and self._damping[0] == at:
+            return self._damping[1]
         record = UpdateRecord.from_bytes(data)  # kept by us: checked when it was applied
-        if (record.base_hash, record.result_hash) != (parent.state_hash, blob.state_hash):
+        if (record.base_hash, record.result_hash) != at:
             return None  # another branch's update at that version
         before = st_load(parent.data)
-        return [
+        damping = [
             a - (before[f"theta.{i}"] - t)
             for i, (a, t) in enumerate(zip(record.average, self.state.theta, strict=True))
         ]
+        self._damping = (at, damping)
+        return damping
 
     # ----- updates
 

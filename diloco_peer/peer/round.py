@@ -15,6 +15,7 @@ the later one always sees the earlier: both cannot commit). Lone commits (async)
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -33,7 +34,7 @@ from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free.swarm_view import group_plan
 from diloco_peer.coordinator_free.update_log import UpdateRecord
 from diloco_peer.errors import AllReduceFailed, GaveUp, LeftOut, NoGroup
-from diloco_peer.peer.delta import Contribution, Ledger
+from diloco_peer.peer.delta import Contribution, Ledger, common_term
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.heads import Activity, HeadChannel
 from diloco_peer.peer.phase import Training
@@ -65,9 +66,6 @@ class RoundOutcome:
     """The applied update (COMMITTED, ALONE)."""
     reason: str = ""
     """Why δ was kept (KEPT)."""
-    update: UpdateRecord | None = None
-    """The applied update (COMMITTED, ALONE): its base version and the group's average, which
-    an overlapped `mix` fold reports in place of our own last δ (peer/overlap.py)."""
 
     @property
     def applied(self) -> bool:
@@ -217,7 +215,7 @@ class Round:
         version, state_hash = self.replica.version, self.replica.published_hash
         key = f"v{version}_{state_hash[:16]}"
         offer = self.guard.offer(
-            mine.delta, key=key, version=version, state_hash=state_hash,
+            self._sent(mine), key=key, version=version, state_hash=state_hash,
             base_version=mine.base_version, steps=mine.steps, shard_samples=mine.shard_samples,
             expected=expected,
         )  # fmt: skip
@@ -228,13 +226,24 @@ class Round:
         # weight from its signed header, the same on every member
         return key, offer, self.guard.envelope_weight()
 
+    def _sent(self, mine: Contribution) -> list[torch.Tensor]:
+        """`mine`'s δ as offered at our version: plus its `common_term` (the ledger keeps
+        `mine` without it: a δ kept goes to a later version, with that version's term)."""
+        term = common_term(self.swarm, self.replica)
+        return (
+            mine.delta if term is None else [d + t for d, t in zip(mine.delta, term, strict=True)]
+        )
+
     def _formed(self, admit: Callable[[Group], Admission]) -> Callable[[Group], Admission]:
         """`admit`, which the averager calls once our group is formed, telling the training
-        thread first (`Activity.formed`: an overlapped phase that starts with the all-reduce)."""
+        thread first (`Activity.formed`: an overlapped phase that starts with the all-reduce);
+        our reducer screens the parts' directions without the term they share (`common_term`)."""
+        term = common_term(self.swarm, self.replica)
+        reference = None if term is None else torch.cat([t.reshape(-1) for t in term])
 
         def formed(group: Group) -> Admission:
             self.activity.formed.set()
-            return admit(group)
+            return dataclasses.replace(admit(group), reference=reference)
 
         return formed
 
@@ -318,7 +327,7 @@ class Round:
             )  # fmt: skip
         elif result is None:  # a lone commit: our own signed header is its certificate's
             headers = {self.me: self._offer(mine, announce=False)[1].gather}
-            record = self.replica.prepare(mine.delta, members, mine.shard_samples, headers)
+            record = self.replica.prepare(self._sent(mine), members, mine.shard_samples, headers)
         else:
             headers = self.guard.signed_headers(members)
             shards = mine.shard_samples if group_shards is None else group_shards
@@ -354,7 +363,7 @@ class Round:
             stalenesses or {self.me[-8:]: staleness}, timings=timings, ready=ready,
         )  # fmt: skip
         status = RoundStatus.ALONE if result is None else RoundStatus.COMMITTED
-        return RoundOutcome(status, report, update=record)
+        return RoundOutcome(status, report)
 
     def _rivals(self, record: UpdateRecord) -> list[Statement]:
         """The claims of other groups on our base that we give the version up to. A claim we
@@ -401,7 +410,7 @@ class Round:
             {self.me[-8:]: record.base_version - mine.base_version},
             version=record.base_version + 1, timings=timings, ready=ready,
         )  # fmt: skip
-        return RoundOutcome(RoundStatus.COMMITTED, report, update=record)
+        return RoundOutcome(RoundStatus.COMMITTED, report)
 
     def applied(
         self,

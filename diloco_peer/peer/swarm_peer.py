@@ -169,12 +169,14 @@ class SwarmPeer:
             self._probe(prefix, key_path, validators)
         self.net = Network.serve(
             self.node, prefix, run=self.run, swarm=self.swarm, guard=self.guard,
-            faults=self.faults, blob=lambda: self.replica.blob, updates=self.replica.updates.get,
+            faults=self.faults, blob=lambda: self.replica.blob,
+            parent=lambda: self.replica.parent, updates=self.replica.updates.get,
             allow=self._allowed, version=lambda: self.replica.version,
         )  # fmt: skip
+        mixing = self.swarm.overlap and self.swarm.overlap_fold == "mix"  # steps: common_term
         self.catching_up = CatchUp(self.replica, self.net.downloads(self.replica), me=self.peer_id,
                                    keep_updates=self.swarm.keep_updates,
-                                   verify=self.certifier.verify)  # fmt: skip
+                                   verify=self.certifier.verify, with_step=mixing)  # fmt: skip
         self._resume(ckpt)
         self.replica.snapshot()
         self.heads.publish()
@@ -222,8 +224,7 @@ class SwarmPeer:
             controls=Controls(self._stop, self._paused, self.on_step, self.heads.publish,
                               self.heads.view, self.finished),
         )  # fmt: skip
-        self.overlap = Overlap(trainer, lambda: self.state.theta, lambda: self.state.version,
-                               self.replica.last_damping, swarm, self.activity,
+        self.overlap = Overlap(trainer, lambda: self.state.theta, swarm, self.activity,
                                self.counters)  # fmt: skip
         self.round = Round(
             me=self.peer_id, swarm=swarm, replica=self.replica, training=self.training,
@@ -353,7 +354,7 @@ class SwarmPeer:
             "catch_up", version=self.state.version, state_hash=choice.state_hash, group_size=0,
             loss=self.counters.last_loss, donor=moved.donor, seconds=moved.seconds,
             bytes=moved.bytes, fork=moved.lost_fork, method=moved.method,
-            from_version=moved.from_version, recontributed=recontributed,
+            from_version=moved.from_version, recontributed=recontributed, stepped=moved.stepped,
         )  # fmt: skip
         if publish:
             self.heads.publish()

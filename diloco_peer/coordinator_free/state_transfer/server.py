@@ -96,6 +96,9 @@ class StateServer(HandlerServer):
     :param max_uploads_per_peer: of those, how many one requester may hold (MAX_UPLOADS_PER_PEER).
     :param min_upload_bytes_s, upload_grace_s: a requester reading an answer slower than this on
         average, after the grace, is dropped and its slot freed (MIN_UPLOAD_BYTES_S, UPLOAD_GRACE_S).
+    :param earlier: called in the loop thread; returns the blob of the version just below the
+        current one (`Replica.parent`), or None. A ranged request may name its hash: a joiner that
+        wants the step that made the head downloads it and replays the head's update on it.
     :param updates: called in the loop thread with a base version; returns the serialised
         UpdateRecord from that version (e.g. `UpdateLog.get`), or None if not kept. Without it,
         update requests are refused.
@@ -128,6 +131,7 @@ class StateServer(HandlerServer):
         max_uploads: int = 4,
         max_uploads_per_peer: int = MAX_UPLOADS_PER_PEER,
         updates: Callable[[int], bytes | None] | None = None,
+        earlier: Callable[[], StateBlob | None] | None = None,
         frame_bytes: int = CHUNK_BYTES,
         pace: Callable[[int, int, int], Awaitable[None]] | None = None,
         min_upload_bytes_s: float = MIN_UPLOAD_BYTES_S,
@@ -136,8 +140,9 @@ class StateServer(HandlerServer):
         self._run = check_run(run)
         if not callable(provide) or not callable(allow):
             raise ValueError("provide and allow must be callables")
-        if updates is not None and not callable(updates):
-            raise ValueError("updates must be a callable or None")
+        for name, value in (("updates", updates), ("earlier", earlier)):
+            if value is not None and not callable(value):
+                raise ValueError(f"{name} must be a callable or None")
         self._uploads = SenderSlots(max_uploads, max_uploads_per_peer)  # ValueError if not >= 1
         for name, value in (("min_upload_bytes_s", min_upload_bytes_s),
                             ("upload_grace_s", upload_grace_s)):  # fmt: skip
@@ -157,7 +162,7 @@ class StateServer(HandlerServer):
         self._frame_bytes, self._pace = frame_bytes, pace
         self._answers = 0  # answers with data so far (loop thread only), for `pace`
         self._provide, self._allow = provide, allow
-        self._updates = updates
+        self._updates, self._earlier = updates, earlier
         self._min_upload_bytes_s, self._upload_grace_s = min_upload_bytes_s, upload_grace_s
         self._serving: set[asyncio.Task[None]] = set()  # loop thread only
 
@@ -290,6 +295,9 @@ class StateServer(HandlerServer):
         if not isinstance(request, RangeRequest):
             return _Answer(f"version {blob.version}", blob.version, blob.state_hash, blob.data)
         # A range is only ever a part of the blob the requester named: it never mixes two states.
+        earlier = self._earlier_blob()
+        if earlier is not None and earlier.state_hash == request.state_hash:
+            blob = earlier
         if blob.state_hash != request.state_hash:
             raise Refusal(
                 RefusalCode.STATE_MOVED_ON,
@@ -320,6 +328,17 @@ class StateServer(HandlerServer):
             logger.error("provide() returned %s, not a StateBlob", type(blob).__name__)
             raise Refusal(RefusalCode.DONOR_FAILED, f"{failed} (not a StateBlob)")
         return blob
+
+    def _earlier_blob(self) -> StateBlob | None:
+        """The blob `earlier` returns, or None (none kept, or it failed)."""
+        if self._earlier is None:
+            return None
+        try:
+            blob = self._earlier()
+        except Exception:  # the caller's code: report it, serve the current state only
+            logger.exception("earlier() failed")
+            return None
+        return blob if isinstance(blob, StateBlob) else None
 
     def _update(self, base_version: int) -> _Answer:
         """The update from `base_version` as `updates` returns it, or raises Refusal."""
