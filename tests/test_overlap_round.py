@@ -382,6 +382,8 @@ def test_a_late_joiner_and_a_killed_peer_leave_one_branch(
     d, log_d = swarm.start("d", "--swarm", maddr, *until)  # joins late: downloads the state
     caught = swarm.wait_event(log_d, "catch_up", 150)
     assert caught["version"] >= 2
+    # a mixing peer's download steps from the version below the head, to know the common term
+    assert caught["method"] == "download" and caught["stepped"] is bool(rule)
     for proc in (a, b, d):
         assert proc.wait(timeout=200) == 0
     branch = branches(log_a, log_b, log_d)
