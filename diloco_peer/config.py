@@ -52,6 +52,9 @@ FoldRule = Literal["rebase", "mix", "pull"]
 OverlapFrom = Literal["phase", "group"]
 """When an overlapped phase starts (ALGORITHMS §1.1): at the end of the worker's own phase, or
 once its group is complete and the all-reduce starts (only the all-reduce is overlapped)."""
+OverlapTerm = Literal["own", "shared"]
+"""What a simulated `mix` δ carries besides progress (ALGORITHMS §1.1): what the merge left in
+it (`own`), or the term its group shares, added when it is applied (`shared`, the swarm's)."""
 ShardMode = Literal["iid", "non-iid"]
 Protocol = Literal["sync", "async"]
 Weighting = Literal["uniform", "samples"]
@@ -202,6 +205,10 @@ class SimSpec:
     """When an overlapped phase starts: at the end of the worker's own phase (`phase`: the
     wait for the group's slowest member is trained through too) or once its group is complete
     (`group`: only the all-reduce is)."""
+    overlap_term: OverlapTerm = "own"
+    """`mix` only: `own`, the δ as measured (κ·(θ_global − b) of the merge in it), or `shared`,
+    the swarm's: the phase's progress, plus κ·(Δ − (θ_{v−1} − θ_v)) of the last outer step when
+    it is applied (`Simulator.with_term`)."""
     staleness_threshold: int = 10
     """async-polythres drops contributions staler than this."""
     drop_prob: float = 0.0
@@ -224,6 +231,9 @@ class SimSpec:
         choice("overlap rule", self.overlap, OVERLAP_RULES)
         choice("fold rule", self.overlap_fold, get_args(FoldRule))
         choice("overlap start", self.overlap_from, get_args(OverlapFrom))
+        choice("overlap term", self.overlap_term, get_args(OverlapTerm))
+        if self.overlap_term == "shared" and (self.overlap == "none" or self.overlap_fold != "mix"):
+            raise ConfigError("--overlap-term shared needs --overlap and --overlap-fold mix")
         if not (is_finite(self.overlap_keep) and 0 <= self.overlap_keep <= 1):
             raise ConfigError(f"overlap_keep must be in [0, 1], got {self.overlap_keep}")
         positive("workers", self.workers)

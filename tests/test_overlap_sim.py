@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -102,6 +103,31 @@ def test_the_mix_fold_moves_the_local_params_towards_the_global_ones(small_run: 
     Fold("mix", 0.25).apply(trainer, new_global, [t - 9.0 for t in local])
     for p, lo, g in zip(trainer.params, local, new_global, strict=True):
         assert torch.allclose(p, g + 0.25 * (lo - g))
+
+
+def test_the_shared_mix_term_is_the_last_outer_steps_damping(small_run: RunSpec) -> None:
+    # `--overlap-term shared`, the swarm's `mix`: the fold takes κ·(θ − base) out of the δ, and
+    # every δ applied gains κ·(Δ − (θ_{v−1} − θ_v)) of the last outer step (none before one).
+    trainer = InnerTrainer(build_model(small_run.model, 64, 0, max_seq_len=16), small_run)
+    local = trainer.snapshot()
+    theta = [t + 2.0 for t in local]
+    correction = Fold("mix", 0.5, shared=True).apply(trainer, theta, [t - 1.0 for t in local])
+    assert correction is not None
+    assert all(torch.allclose(c, torch.full_like(c, -1.5)) for c in correction)  # κ(b − θ)
+    spec = SimSpec(run=small_run, overlap="local", overlap_fold="mix", overlap_keep=0.5,
+                   overlap_term="shared")  # fmt: skip
+    sim = SimpleNamespace(spec=spec, run_spec=small_run, damping=None,
+                          theta=[torch.zeros(3)])  # fmt: skip
+    outer = build_outer_optimizer("nesterov", lr=0.7, momentum=0.9)
+    deltas = [[torch.full((3,), 1.0)], [torch.full((3,), 3.0)]]
+    assert Simulator.with_term(sim, deltas) is deltas  # type: ignore[arg-type]
+    Simulator.group_step(sim, outer, deltas)  # type: ignore[arg-type]
+    # Δ 2.0; θ moved by 0.7·(2 + 0.9·2) = 2.66: damping 2 − 2.66
+    assert sim.damping is not None and torch.allclose(sim.damping[0], torch.full((3,), -0.66))
+    sent = Simulator.with_term(sim, deltas)  # type: ignore[arg-type]
+    assert torch.allclose(sent[1][0], torch.full((3,), 3.0 - 0.33))
+    with pytest.raises(ConfigError, match="overlap-term shared needs"):
+        SimSpec(run=small_run, overlap="local", overlap_term="shared")
 
 
 def test_a_fold_after_zero_steps_is_the_blocking_phase(small_run: RunSpec) -> None:

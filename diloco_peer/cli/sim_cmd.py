@@ -65,6 +65,7 @@ def simulate(
     overlap_fold: str = typer.Option(PRESET[1].overlap_fold, help="Fold: rebase|mix|pull."),
     overlap_keep: float = typer.Option(PRESET[1].overlap_keep, help="The fold's share κ kept."),
     overlap_from: str = typer.Option(PRESET[1].overlap_from, help="Phases start: phase|group."),
+    overlap_term: str = typer.Option("own", help="mix δ: own (as measured) | shared (swarm's)."),
     staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
     drop_prob: float = typer.Option(0.0, help="Sync: chance a contribution is lost (Fig. 8)."),
     compute_schedule: str = typer.Option(
@@ -122,7 +123,7 @@ def simulate(
         run=run, algo=algo, workers=workers, total_steps=total_steps, heterogeneity=heterogeneity,
         jitter=jitter, grace_s=grace_s, grace_share=grace_share, comm_s=comm_s, overlap=overlap,
         overlap_fold=overlap_fold, overlap_keep=overlap_keep, overlap_from=overlap_from,
-        drop_prob=drop_prob, staleness_threshold=staleness_threshold, threads=threads,
+        overlap_term=overlap_term, drop_prob=drop_prob, staleness_threshold=staleness_threshold, threads=threads,
         compute_schedule=compute_schedule, pretrain_steps=pretrain_steps, eval_every=eval_every,
         init=str(init) if init else None,
     )  # fmt: skip

@@ -22,9 +22,8 @@ import torch
 from diloco_peer.coordinator_free.dylu import dylu_phase_s, dylu_steps
 from diloco_peer.coordinator_free.sampler import ShardSampler
 from diloco_peer.peer.inner import Schedule
-from diloco_peer.sim.contributions import group_sum, mean_pairwise_cosine, plain_sum, uploaded
+from diloco_peer.sim.contributions import mean_pairwise_cosine, plain_sum, uploaded
 from diloco_peer.sim.worker import (
-    Fold,
     LastGroup,
     Worker,
     eager_start,
@@ -128,7 +127,7 @@ class AsyncRun:
         w.phase = overlapped_phase(
             w.trainer, self.sim.theta, steps, steps_before(w.clock, start, fold_at, steps),
             lambda: [stream.next_batch()], self.schedules[s], self.shard_steps[s], w.start_from,
-            Fold(self.spec.overlap_fold, self.spec.overlap_keep),
+            self.sim.fold(),
         )  # fmt: skip
         self.shard_steps[s] += steps
         duration = w.clock.duration(steps)
@@ -160,7 +159,7 @@ class AsyncRun:
     def _close_group(self, group: list[Worker], close: float) -> None:
         """The grace window closes at virtual time `close`: `dn` applies the group as one
         contribution, its all-reduce done `comm_s` later; every member starts its next phase."""
-        deltas = [w.phase.delta for w in group]
+        deltas = self.sim.with_term([w.phase.delta for w in group])
         cos = mean_pairwise_cosine(deltas)
         if cos is not None:
             self.sim.cosines.append(cos)
@@ -175,8 +174,7 @@ class AsyncRun:
             self.last.record(group, deltas)
         if self.algo in GROUPED_ALGOS:
             self.staleness.extend(self.version - w.base_version for w in group)
-            with torch.no_grad():
-                self.outer.step(self.sim.theta, group_sum(deltas, self.run_spec), len(group))
+            self.sim.group_step(self.outer, deltas)
             self.version += len(group)
             self.updates += 1
         self.sim.now = max(self.sim.now, close)

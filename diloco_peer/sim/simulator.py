@@ -93,6 +93,8 @@ class Simulator:
         self.initial_ppl = self.eval_ppl()
         self.curve: list[dict[str, float]] = []
         self.cosines: list[float] = []
+        self.damping: list[torch.Tensor] | None = None
+        """`--overlap-term shared`: Δ − (θ_{v−1} − θ_v) of the last outer step."""
         self.eval_every = spec.eval_every or max(1, spec.total_steps // 20)
         self._next_eval = self.eval_every
         # Local steps spent so far (counted when their phase is delivered, even if its
@@ -181,6 +183,33 @@ class Simulator:
         if name == "delayed-nesterov":
             extra = {"buffer_size": buffer_size, "c": r.dn_c}
         return build_outer_optimizer(name, lr=r.outer_lr, momentum=r.outer_momentum, **extra)
+
+    def fold(self) -> Fold:
+        """The overlapped phases' fold (`--overlap-fold`, `--overlap-keep`, `--overlap-term`)."""
+        spec = self.spec
+        return Fold(spec.overlap_fold, spec.overlap_keep, spec.overlap_term == "shared")
+
+    def with_term(self, deltas: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """A group's δs as applied: with `--overlap-term shared`, each plus κ·(Δ − (θ_{v−1} −
+        θ_v)) of the last outer step (the swarm's `common_term`, ALGORITHMS §1.1)."""
+        if self.spec.overlap_term != "shared" or self.damping is None:
+            return deltas
+        keep, term = self.spec.overlap_keep, self.damping
+        return [[d + keep * t for d, t in zip(delta, term, strict=True)] for delta in deltas]
+
+    def group_step(self, outer: Any, deltas: list[list[torch.Tensor]]) -> None:
+        """One outer step on a group's δs (their sum as a swarm applies it, `group_sum`); with
+        `--overlap-term shared`, remember its damping (`with_term`)."""
+        total = group_sum(deltas, self.run_spec)
+        shared = self.spec.overlap_term == "shared"
+        before = [t.clone() for t in self.theta] if shared else []
+        average = [s / len(deltas) for s in total] if shared else []
+        with torch.no_grad():
+            outer.step(self.theta, total, len(deltas))
+        if shared:
+            self.damping = [
+                a - (b - t) for a, b, t in zip(average, before, self.theta, strict=True)
+            ]
 
     # ----- bookkeeping -----
 
@@ -321,7 +350,7 @@ class Simulator:
                 phase = overlapped_phase(
                     w.trainer, self.theta, steps, -1 if w.keep_local else fold_after,
                     lambda s=s: [streams[s].next_batch()], schedules[s], shard_steps[s],
-                    w.start_from, Fold(spec.overlap_fold, spec.overlap_keep),
+                    w.start_from, self.fold(),
                 )  # fmt: skip
                 shard_steps[s] += steps
                 duration = w.clock.duration(steps)
@@ -339,11 +368,11 @@ class Simulator:
             self.now = max(w.free_at for w in workers[:m]) + spec.comm_s
             assigned += steps * m
             if arrived:
+                arrived = self.with_term(arrived)
                 cos = mean_pairwise_cosine(arrived)
                 if cos is not None:
                     self.cosines.append(cos)
-                with torch.no_grad():
-                    outer.step(self.theta, group_sum(arrived, self.run_spec), len(arrived))
+                self.group_step(outer, arrived)
                 updates += 1
                 if spec.overlap == "proxy":
                     last.record(workers[:m], arrived)

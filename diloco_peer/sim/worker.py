@@ -105,6 +105,9 @@ class Fold:
 
     rule: FoldRule = "rebase"
     keep: float = 1.0
+    shared: bool = False
+    """`mix` with `--overlap-term shared`: the δ loses the κ·(θ − base) the merge leaves in it
+    (the swarm's `Overlap.report`); the term its group shares is added when it is applied."""
 
     def apply(self, trainer: InnerTrainer, theta: Sequence[torch.Tensor],
               base: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:  # fmt: skip
@@ -112,6 +115,8 @@ class Fold:
         so that it is the phase's own progress: (θ_after − θ) + (base − θ_before)."""
         before = trainer.snapshot() if self.rule == "pull" else None
         trainer.rebase(theta, base if self.rule == "rebase" else theta, self.keep)
+        if self.rule == "mix" and self.shared:
+            return [self.keep * (b - t) for b, t in zip(base, theta, strict=True)]
         if before is None:
             return None
         return [a - t + b - f for a, t, b, f
