@@ -209,6 +209,9 @@ class SimSpec:
     """`mix` only: `own`, the δ as measured (κ·(θ_global − b) of the merge in it), or `shared`,
     the swarm's: the phase's progress, plus κ·(Δ − (θ_{v−1} − θ_v)) of the last outer step when
     it is applied (`Simulator.with_term`)."""
+    fragments: int = 1
+    """Streaming DiLoCo's fragments (ALGORITHMS §1.2, `sim.fragments`): a sync round syncs the
+    model in this many parts, one after each H/fragments inner steps (1: the whole model)."""
     staleness_threshold: int = 10
     """async-polythres drops contributions staler than this."""
     drop_prob: float = 0.0

@@ -66,6 +66,7 @@ def simulate(
     overlap_keep: float = typer.Option(PRESET[1].overlap_keep, help="The fold's share κ kept."),
     overlap_from: str = typer.Option(PRESET[1].overlap_from, help="Phases start: phase|group."),
     overlap_term: str = typer.Option("own", help="mix δ: own (as measured) | shared (swarm's)."),
+    fragments: int = typer.Option(1, help="Sync: Streaming DiLoCo's fragments per round."),
     staleness_threshold: int = typer.Option(10, help="async-polythres drops staler contributions."),
     drop_prob: float = typer.Option(0.0, help="Sync: chance a contribution is lost (Fig. 8)."),
     compute_schedule: str = typer.Option(
@@ -94,9 +95,7 @@ def simulate(
     pretrain_steps: int = typer.Option(0, help="Shared single-worker pretraining steps first."),
     model: str = typer.Option("nano", help="Model preset: nano|tiny|20m|60m|150m|400m."),
     data: str = typer.Option(RunSpec.data, help="builtin:python-stdlib, a path or a hub name."),
-    tokenizer: str = typer.Option(
-        RunSpec.tokenizer, help="bytes | tokenizer.json path | bpe:VOCAB."
-    ),
+    tokenizer: str = typer.Option(RunSpec.tokenizer, help="bytes|tokenizer.json path|bpe:VOCAB."),
     max_tokens: int = typer.Option(RunSpec.max_tokens, help="Corpus token cap (0 = none)."),
     val_sequences: int = typer.Option(RunSpec.val_sequences, help="Held-out sequences for ppl."),
     seed: int = typer.Option(0, help="Seed of everything."),
@@ -123,9 +122,9 @@ def simulate(
         run=run, algo=algo, workers=workers, total_steps=total_steps, heterogeneity=heterogeneity,
         jitter=jitter, grace_s=grace_s, grace_share=grace_share, comm_s=comm_s, overlap=overlap,
         overlap_fold=overlap_fold, overlap_keep=overlap_keep, overlap_from=overlap_from,
-        overlap_term=overlap_term, drop_prob=drop_prob, staleness_threshold=staleness_threshold, threads=threads,
-        compute_schedule=compute_schedule, pretrain_steps=pretrain_steps, eval_every=eval_every,
-        init=str(init) if init else None,
+        overlap_term=overlap_term, fragments=fragments, drop_prob=drop_prob, threads=threads,
+        staleness_threshold=staleness_threshold, compute_schedule=compute_schedule,
+        pretrain_steps=pretrain_steps, eval_every=eval_every, init=str(init) if init else None,
     )  # fmt: skip
     _check_new_file(save, overwrite)
     _simulate(spec, save, json_out, device)

@@ -38,6 +38,7 @@ from diloco_peer.peer.inner import InnerTrainer, Schedule, evaluate_loss, perple
 from diloco_peer.peer.model import Transformer, build_model, resolve_device
 from diloco_peer.sim.async_run import AsyncRun
 from diloco_peer.sim.contributions import group_sum, mean_pairwise_cosine
+from diloco_peer.sim.fragments import FragmentedSync, check_fragments
 from diloco_peer.sim.profiles import StepClock, step_seconds
 from diloco_peer.sim.worker import (
     Fold,
@@ -87,6 +88,8 @@ class Simulator:
             r.data, r.tokenizer, r.seq_len, r.val_sequences, r.max_tokens, r.seed
         )
         self.model = self._initial_model()
+        # bad input fails here, before any output
+        check_fragments(spec, [n for n, _ in self.model.named_parameters()])
         # θ_global: the global model's parameters, fp32 on CPU (as a peer holds them), updated in
         # place by the outer step.
         self.theta = [p.data for p in self.model.parameters()]
@@ -197,15 +200,18 @@ class Simulator:
         keep, term = self.spec.overlap_keep, self.damping
         return [[d + keep * t for d, t in zip(delta, term, strict=True)] for delta in deltas]
 
-    def group_step(self, outer: Any, deltas: list[list[torch.Tensor]]) -> None:
-        """One outer step on a group's δs (their sum as a swarm applies it, `group_sum`); with
+    def group_step(
+        self, outer: Any, deltas: list[list[torch.Tensor]], params: list[torch.Tensor] | None = None
+    ) -> None:
+        """One outer step on a group's δs (their sum as a swarm applies it, `group_sum`) to
+        `params` (θ_global's tensors by default; a fragment's, ALGORITHMS §1.2); with
         `--overlap-term shared`, remember its damping (`with_term`)."""
         total = group_sum(deltas, self.run_spec)
         shared = self.spec.overlap_term == "shared"
         before = [t.clone() for t in self.theta] if shared else []
         average = [s / len(deltas) for s in total] if shared else []
         with torch.no_grad():
-            outer.step(self.theta, total, len(deltas))
+            outer.step(self.theta if params is None else params, total, len(deltas))
         if shared:
             self.damping = [
                 a - (b - t) for a, b, t in zip(average, before, self.theta, strict=True)
@@ -246,6 +252,8 @@ class Simulator:
             extra = self._run_single()
         elif algo == "ddp":
             extra = self._run_ddp()
+        elif algo == "sync" and self.spec.fragments > 1:
+            extra = FragmentedSync(self).run()
         elif algo == "sync":
             extra = self._run_sync()
         else:
