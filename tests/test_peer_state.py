@@ -532,3 +532,32 @@ def test_tensorboard_gets_one_scalar_per_metric_per_round(tmp_path: Path) -> Non
     acc.Reload()
     assert {"diloco/loss", "diloco/group_size", "diloco/comm_s"} <= set(acc.Tags()["scalars"])
     assert [s.step for s in acc.Scalars("diloco/loss")] == [1, 2, 3]
+
+
+@pytest.mark.timeout(120)
+def test_a_download_of_the_next_version_keeps_no_parent_from_another_branch(
+    run: RunSpec,
+) -> None:
+    """A replica at its own v1 that downloads another branch's v2 does not hold that v2's
+    parent: its v1 is not it (fork healing would replay from the wrong state). Stepping from
+    its snapshot, or back to it by `restore`, keeps the snapshot as the parent."""
+    other, mine = two_replicas(run)
+    seals: dict[int, dict[str, bytes]] = {}
+    commit_twice(other, run, seals)  # other's v0 -> v1 -> v2
+    own = [torch.full_like(t, 0.03) for t in mine.state.theta]
+    mine.commit(own, ["PeerB"], {0: run.batch_size}, {})  # mine's own v1, another branch
+    assert mine.version == 1 and mine.parent is not None and mine.parent.version == 0
+    assert other.blob is not None and other.parent is not None
+    mine.load(other.blob.data)  # a plain download of other's v2
+    mine.snapshot()
+    assert mine.version == 2 and mine.published_hash == other.published_hash
+    assert mine.parent is None
+    # stepping on from the downloaded v2 keeps it as the parent of v3
+    mine.commit(own, ["PeerB"], {0: run.batch_size}, {})
+    assert mine.parent is not None and mine.parent.state_hash == other.published_hash
+    # a failed load undone by restore is no jump
+    at_v3 = mine.published_hash
+    mine.load(other.blob.data)
+    mine.restore()
+    mine.commit(own, ["PeerB"], {0: run.batch_size}, {})
+    assert mine.version == 4 and mine.parent is not None and mine.parent.state_hash == at_v3

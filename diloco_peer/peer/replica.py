@@ -49,6 +49,9 @@ class Replica:
         self._below: StateBlob | None = None
         """A downloaded state the replica stepped from (`step_from`): the next snapshot's
         `parent`."""
+        self._jumped = False
+        """Whether a state other than the snapshot's was loaded whole (a download, the parent)
+        since the last snapshot: the next version is then not known to be stepped from it."""
         self._norms: deque[float] = deque(maxlen=RECENT_NORMS)
         self._damping: tuple[tuple[str, str], list[torch.Tensor]] | None = None
         """`last_damping` of the step between these (parent, blob) hashes."""
@@ -65,10 +68,11 @@ class Replica:
         data = st_save(self.state.tensors(), metadata=self.state.metadata())
         blob = StateBlob(version=self.state.version, state_hash=self.state.hash(), data=data)
         below, self._below = self._below, None
+        stepped, self._jumped = not self._jumped, False
         if below is not None and blob.version == below.version + 1:
             self.parent = below
-        elif self.blob is not None and blob.version == self.blob.version + 1:
-            self.parent = self.blob
+        elif self.blob is not None and blob.version == self.blob.version + 1 and stepped:
+            self.parent = self.blob  # not after a download of the next version: another branch's
         elif self.blob is None or blob.version != self.blob.version:
             self.parent = None  # a jump: we never held the version below this one
         self.blob = blob
@@ -131,6 +135,7 @@ class Replica:
         self._below = None
         if self.blob is not None and self.state.hash() != self.blob.state_hash:
             self.load(self.blob.data)
+        self._jumped = False  # the state is the snapshot's again
 
     def load(self, data: bytes) -> None:
         """Replace the state by serialised bytes (a download, or the snapshot); ConfigError if
@@ -141,6 +146,7 @@ class Replica:
         except Exception as e:
             raise ConfigError(f"downloaded state is not a valid safetensors blob ({e})") from e
         self.state.load(tensors, metadata)
+        self._jumped = self.blob is None or data is not self.blob.data
 
     def last_damping(self) -> list[torch.Tensor] | None:
         """Δ − (θ_{v−1} − θ_v) of the update that made our published version v: its average
