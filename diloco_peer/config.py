@@ -357,6 +357,12 @@ class SwarmSettings:
         if self.protocol == "async" and self.grace_s <= 0:
             raise ConfigError("async mode needs grace_s > 0: peers finishing together must meet")
 
+    @property
+    def mixes(self) -> bool:
+        """Overlapped rounds with the `mix` fold: δs carry the term their group shares and
+        downloads step to the head (ALGORITHMS §1.1)."""
+        return self.overlap and self.overlap_fold == "mix"
+
     def grace(self, phase_s: float | None) -> float:
         """The async grace period around a phase of `phase_s` seconds (None: not measured)."""
         return max(self.grace_s, self.grace_share * phase_s) if phase_s else self.grace_s

@@ -19,8 +19,7 @@ def common_term(swarm: SwarmSettings, replica: Damped) -> list[torch.Tensor] | N
     progress: κ·(Δ − (θ_{v−1} − θ_v)) of the update that made v, the same for every member of a
     group keyed by v (ALGORITHMS §1.1). None for other rules, blocking rounds, and a replica
     that does not know it (`Replica.last_damping`)."""
-    mixing = swarm.overlap and swarm.overlap_fold == "mix"
-    damping = replica.last_damping() if mixing else None
+    damping = replica.last_damping() if swarm.mixes else None
     return None if damping is None else [swarm.overlap_keep * t for t in damping]
 
 

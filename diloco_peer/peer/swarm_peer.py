@@ -173,10 +173,9 @@ class SwarmPeer:
             parent=lambda: self.replica.parent, updates=self.replica.updates.get,
             allow=self._allowed, version=lambda: self.replica.version,
         )  # fmt: skip
-        mixing = self.swarm.overlap and self.swarm.overlap_fold == "mix"  # steps: common_term
         self.catching_up = CatchUp(self.replica, self.net.downloads(self.replica), me=self.peer_id,
                                    keep_updates=self.swarm.keep_updates,
-                                   verify=self.certifier.verify, with_step=mixing)  # fmt: skip
+                                   verify=self.certifier.verify, with_step=self.swarm.mixes)  # fmt: skip
         self._resume(ckpt)
         self.replica.snapshot()
         self.heads.publish()
