@@ -81,8 +81,17 @@ def test_three_fragments_sync_each_part_every_round_and_flush_at_the_end(
     assert sum(result["fragments"]["share"]) == pytest.approx(1.0)
     assert max(result["fragments"]["share"]) < 0.5  # an all-reduce carries under half the model
     assert all(not torch.equal(a, b) for a, b in zip(start, sim.theta, strict=True))
-    # blocking: each fragment's all-reduce is waited for, a share of comm_s each
-    assert result["sim_time"] > 2 * 0.5
+    # the final ppl is the flushed θ_global's, at the run's last virtual time
+    assert result["final_ppl"] == sim.eval_ppl()
+    assert result["curve"][-1] == {"local_steps": 24, "sim_time": sim.now, "ppl": sim.eval_ppl()}
+    assert [p["local_steps"] for p in result["curve"]] == sorted(
+        {p["local_steps"] for p in result["curve"]}
+    )
+    # blocking: every fragment's all-reduce is waited for, one after another: 2 rounds' worth,
+    # the last sync's, and the 2 last syncs' shares of comm_s (0.5)
+    share = result["fragments"]["share"]
+    busy = max(w_busy for w_busy in [sim.now * (1 - i) for i in result["idle_fraction"]])
+    assert sim.now == pytest.approx(busy + 0.5 * (2 + share[0] + share[1]))
 
 
 def test_overlapped_fragments_train_through_their_all_reduces(small_run: RunSpec) -> None:

@@ -190,7 +190,8 @@ class FragmentedSync:
             held = self.held[w.index][f]
             held.handed = self.local_part(w, f)
             deltas.append([b - x for b, x in zip(held.base, held.handed, strict=True)])
-        self.group_done = max(w.free_at for w in workers)
+        # one all-reduce at a time: the run's last syncs follow each other
+        self.group_done = max(sim.now, *(w.free_at for w in workers))
         sim.now = self.group_done + sim.spec.comm_s * self.share[f]
         cos = mean_pairwise_cosine(deltas)
         if cos is not None:
@@ -239,7 +240,12 @@ class FragmentedSync:
         }
 
     def _flush(self) -> None:
-        """Sync once more every fragment trained since its last sync (the run's end)."""
-        for f in range(self.count):
-            if self.pending[f]:
-                self.sync(f, self.workers)
+        """Sync once more every fragment trained since its last sync (the run's end). A curve
+        point taken at these local steps before it goes: the run's last point is then taken
+        after it (`Simulator.run`), so that the final ppl is the flushed θ_global's."""
+        pending = [f for f in range(self.count) if self.pending[f]]
+        for f in pending:
+            self.sync(f, self.workers)
+        curve = self.sim.curve
+        if pending and curve and curve[-1]["local_steps"] == self.sim.local_steps:
+            curve.pop()
