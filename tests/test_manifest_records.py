@@ -292,6 +292,14 @@ def test_signed_but_malformed_content_is_refused(signed: SignedManifest, owner: 
 def test_create_checks_its_input(owner: Identity, stranger: Identity) -> None:
     with pytest.raises(ManifestError, match="run name"):
         Manifest.create("no spaces please", RunSpec(), SwarmSettings(), owner)
+    # overlapped mix with pruning: the screen cannot take the shared term out of pruned parts
+    mix = SwarmSettings(overlap=True, overlap_fold="mix", overlap_keep=0.5)
+    with pytest.raises(ManifestError, match="prune_fraction 0"):
+        Manifest.create(RUN, RunSpec(prune_fraction=0.5), mix, owner)
+    Manifest.create(RUN, RunSpec(), mix, owner)
+    Manifest.create(
+        RUN, RunSpec(prune_fraction=0.5), dataclasses.replace(mix, overlap=False), owner
+    )
     with pytest.raises(ManifestError, match="run name"):
         Manifest.create("x" * 65, RunSpec(), SwarmSettings(), owner)
     manifest = Manifest(

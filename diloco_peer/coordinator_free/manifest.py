@@ -162,6 +162,11 @@ class Manifest:
             raise ManifestError("manifest created must be a number")
         if not (is_finite(self.created) and self.created >= 0):
             raise ManifestError(f"manifest created must be a finite time, got {self.created}")
+        if self.swarm.mixes and self.run.prune_fraction > 0:
+            # the reducers' screen takes the term a mix group shares out of each part; pruned
+            # parts lack it where they were pruned, and a flipped δ then passed the screen
+            raise ManifestError("swarm overlap_fold 'mix' needs run prune_fraction 0: the "
+                                "cosine screen cannot take the shared term out of pruned δs")  # fmt: skip
         try:
             peer_id_from_public_key(self.owner_public_key)
         except IdentityError as e:
