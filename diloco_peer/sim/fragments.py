@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diloco_peer.config import SimSpec
-from diloco_peer.coordinator_free.sampler import ShardSampler
 from diloco_peer.errors import ConfigError
 from diloco_peer.peer.inner import Schedule
 from diloco_peer.sim.contributions import mean_pairwise_cosine
@@ -205,27 +204,20 @@ class FragmentedSync:
     def run(self) -> dict[str, Any]:
         sim, spec, r = self.sim, self.sim.spec, self.sim.run_spec
         k = spec.workers
-        shards = sim.shards(r.num_shards or k)
-        streams = sim.streams(shards)
-        schedules = [Schedule.for_shard(r) for _ in shards]
-        shard_steps, shard_samples = [0] * len(shards), [0] * len(shards)
-        sampler = ShardSampler([len(x) for x in shards], r.seed) if len(shards) > k else None
+        data = sim.sync_shards(k)
         assigned = 0
         while assigned < spec.total_steps:
             steps = min(r.inner_steps, (spec.total_steps - assigned) // k)
             if steps < 1:
                 break
-            picked = []
-            for w in self.workers:  # a shard per worker and round, as in the unfragmented run
-                s = w.index % len(shards) if sampler is None else sampler.sample(shard_samples)
-                shard_samples[s] += steps * r.batch_size
-                picked.append(s)
+            # a shard per worker and round, as in the unfragmented run
+            picked = [data.pick(w.index, steps, r.batch_size) for w in self.workers]
             for f, length in enumerate(sub_phases(steps, self.count)):
                 if length == 0:
                     continue
                 for w, s in zip(self.workers, picked, strict=True):
-                    self.sub_phase(w, length, streams[s], schedules[s], shard_steps[s])
-                    shard_steps[s] += length
+                    self.sub_phase(w, length, data.streams[s], data.schedules[s], data.steps[s])
+                    data.steps[s] += length
                 self.pending = [True] * self.count
                 self.sync(f, self.workers)
                 sim.progress(length * k)
@@ -235,7 +227,7 @@ class FragmentedSync:
             "outer_updates": self.updates,
             "dropped_contributions": 0,
             "idle_fraction": sim.idle([w.busy_s for w in self.workers]),
-            "shard_share": [n / (sum(shard_samples) or 1) for n in shard_samples],
+            "shard_share": data.share(),
             "fragments": {"count": self.count, "share": self.share},
         }
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,6 +52,30 @@ from diloco_peer.sim.worker import (
 )
 
 ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class SyncShards:
+    """A sync run's data: a seeded stream and an lr schedule per shard, the steps each
+    schedule is at, the samples each shard gave, and where each phase goes: worker i on shard
+    i (DiLoCo's placement) or, with more shards than workers (the built-in run's 8 for 4, where
+    that placement leaves shards untrained), the shard Eq. 2 picks, as in the async runs."""
+
+    streams: list[ShardStream]
+    schedules: list[Schedule]
+    sampler: ShardSampler | None
+    steps: list[int]
+    samples: list[int]
+
+    def pick(self, index: int, steps: int, batch_size: int) -> int:
+        """The shard worker `index`'s next phase of `steps` steps trains on (counted)."""
+        s = index % len(self.streams) if self.sampler is None else self.sampler.sample(self.samples)
+        self.samples[s] += steps * batch_size
+        return s
+
+    def share(self) -> list[float]:
+        """Each shard's share of the samples trained on."""
+        return [n / (sum(self.samples) or 1) for n in self.samples]
 
 
 def active_workers(schedule: str, workers: int, progress: float) -> int:
@@ -165,6 +190,14 @@ class Simulator:
             ShardStream(self.data.train, idx, self.run_spec.batch_size, seed=self.run_spec.seed + s)
             for s, idx in enumerate(shards)
         ]
+
+    def sync_shards(self, workers: int) -> SyncShards:
+        """The data of a sync run of `workers` workers (`SyncShards`)."""
+        r = self.run_spec
+        shards = self.shards(r.num_shards or workers)
+        streams, schedules = self.streams(shards), [Schedule.for_shard(r) for _ in shards]
+        sampler = ShardSampler([len(x) for x in shards], r.seed) if len(shards) > workers else None
+        return SyncShards(streams, schedules, sampler, [0] * len(shards), [0] * len(shards))
 
     def new_workers(self, count: int) -> list[Worker]:
         """`count` workers, each with its own replica and the clock of its device profile."""
@@ -328,14 +361,7 @@ class Simulator:
         the all-reduce is done."""
         spec, r = self.spec, self.run_spec
         k = spec.workers
-        shards = self.shards(r.num_shards or k)
-        streams = self.streams(shards)
-        schedules = [Schedule.for_shard(r) for _ in shards]
-        shard_steps, shard_samples = [0] * len(shards), [0] * len(shards)
-        # DiLoCo's placement, worker i on shard i, leaves shards untrained when there are more
-        # shards than workers (the built-in run's 8 for 4 workers); then each phase goes to the
-        # shard Eq. 2 picks, as in the async runs, and each shard gets its share.
-        sampler = ShardSampler([len(x) for x in shards], r.seed) if len(shards) > k else None
+        data = self.sync_shards(k)
         workers = self.new_workers(k)
         outer = self.outer_optimizer(r.outer_optimizer, buffer_size=r.dn_buffer_size or k)
         drop_rng = random.Random(r.seed + 104729)
@@ -348,8 +374,7 @@ class Simulator:
                 break
             arrived = []
             for w in workers[:m]:
-                s = w.index % len(shards) if sampler is None else sampler.sample(shard_samples)
-                shard_samples[s] += steps * r.batch_size
+                s = data.pick(w.index, steps, r.batch_size)
                 start = self.now if spec.overlap == "none" else w.free_at
                 if spec.overlap != "none" and spec.overlap_from == "group":
                     start = max(start, self.now - spec.comm_s)  # the last phase's end
@@ -357,10 +382,10 @@ class Simulator:
                 # A dropped contribution's worker continues from its local θ (DiLoCo Fig. 8).
                 phase = overlapped_phase(
                     w.trainer, self.theta, steps, -1 if w.keep_local else fold_after,
-                    lambda s=s: [streams[s].next_batch()], schedules[s], shard_steps[s],
-                    w.start_from, self.fold(),
+                    lambda s=s: [data.streams[s].next_batch()], data.schedules[s],
+                    data.steps[s], w.start_from, self.fold(),
                 )  # fmt: skip
-                shard_steps[s] += steps
+                data.steps[s] += steps
                 duration = w.clock.duration(steps)
                 w.busy_s += duration
                 w.free_at = max(start + duration, self.now)
@@ -389,5 +414,5 @@ class Simulator:
             "outer_updates": updates,
             "dropped_contributions": dropped,
             "idle_fraction": self.idle([w.busy_s for w in workers]),
-            "shard_share": [n / (sum(shard_samples) or 1) for n in shard_samples],
+            "shard_share": data.share(),
         }
