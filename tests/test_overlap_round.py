@@ -296,7 +296,7 @@ def test_one_round_in_flight_at_most() -> None:
 def _demo(protocol: str, tmp: Path) -> tuple[dict, list[dict]]:
     log = tmp / f"demo-{protocol}.jsonl"
     out = subprocess.run(
-        [*PEER_COMMAND, "demo", "--peers", "3", "--rounds", "6", "--model", "nano",
+        [*PEER_COMMAND, "demo", "--peers", "3", "--total-steps", "200", "--model", "nano",
          "--inner-steps", "20", "--protocol", protocol, "--overlap", "--json",
          "--timeout-s", "200", "--log-json", str(log)],
         capture_output=True, text=True, timeout=230, stdin=subprocess.DEVNULL,
@@ -305,17 +305,21 @@ def _demo(protocol: str, tmp: Path) -> tuple[dict, list[dict]]:
     return json.loads(out.stdout), read_log(log)
 
 
+# Slow phase: the default suite's overlapped peers are the kill and late-join test below (sync,
+# `rebase`); async overlapped peers also run in tests/test_swarm.py's kill test (slow too).
+@pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(260)
-@pytest.mark.parametrize(
-    # sync's `rebase` rounds also run in the default suite's kill and late-join test below
-    "protocol",
-    [pytest.param("sync", marks=pytest.mark.slow), "async"],
-)
+@pytest.mark.parametrize("protocol", ["sync", "async"])
 def test_peers_train_through_their_rounds_and_agree(protocol: str, tmp_path: Path) -> None:
     doc, events = _demo(protocol, tmp_path)
     assert doc["overlap"] and doc["hashes_agree"], doc
-    assert doc["final_version"] >= 6 and doc["ppl_after"] < doc["ppl_before"] / 5, doc
+    # A run to a number of local steps, not of versions: an async swarm's groups split apart
+    # as its peers drift (2+1, 1+1+1), and a version then holds a third to two thirds of a
+    # 3-group's steps. Six versions held 131 to 328 steps in six runs (ppl 50.4 to 11.5 from
+    # 194); a CI run failed on the 131. 200 steps is four to ten versions.
+    assert doc["applied_steps"] >= 200 and doc["final_version"] >= 4, doc
+    assert doc["ppl_after"] < doc["ppl_before"] / 5, doc
     rounds = [e for e in events if e["event"] == "round"]
     # The round ran while the next phase trained: the event says so, and it is no rare accident
     # (a peer's last round may end after its last phase; on 2 shared cores a short loopback
@@ -335,6 +339,9 @@ MIX_FROM_GROUP = 'overlap_fold = "mix"\noverlap_keep = 0.5\noverlap_from = "grou
 """The rule within 1.02 of blocking in the simulator (docs/results.md)."""
 
 
+# Slow phase (`mix` is not the default fold): the report's rule is the unit tests above, the
+# screen's with the shared term in tests/test_robust.py.
+@pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(240)
 def test_mixing_peers_train_through_the_all_reduce_and_pass_each_others_screens(

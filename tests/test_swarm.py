@@ -31,9 +31,12 @@ def test_demo_three_peers_agree_and_improve(demo_run: DemoRun) -> None:
     assert doc["ppl_after"] < doc["ppl_before"]
 
 
+# Slow phase: a late joiner's download runs in the default suite in tests/test_overlap_round.py
+# (overlapped, beside a killed peer); the transfer's checks in tests/test_state_transfer.py.
+@pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("protocol", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("protocol", ["sync", "async"])
 def test_late_joiner_downloads_verified_state_then_agrees(swarm: LocalSwarm, protocol: str) -> None:
     a, log_a = swarm.start("a", *NANO, "--protocol", protocol, "--expected-peers", "1",
                            "--max-rounds", "15")  # fmt: skip
