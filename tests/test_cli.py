@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,38 +166,49 @@ def test_simulate_runs_where_hivemind_is_not_installed() -> None:
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize(
-    ("args", "fragment"),
-    [
-        (["simulate", "--model", "huge"], "unknown model preset 'huge'"),
-        (["simulate", "--algo", "nope"], "unknown algorithm 'nope'"),
-        (["simulate", "--inner-steps", "0"], "inner_steps"),
-        (["simulate", "--workers", "0"], "workers"),
-        (["simulate", "--total-steps", "-1"], "total_steps"),
-        (["simulate", "--heterogeneity", "extreme"], "heterogeneity"),
-        (["simulate", "--algo", "async", "--drop-prob", "0.5"], "--drop-prob"),
-        (["simulate", "--save", "/nonexistent-folder-xyz/m.safetensors"], "does not exist"),
-        (["simulate", "--bogus"], "--bogus"),
-        (["simulate", "--workers", "abc"], "--workers"),
-        (["simulate", "--algo", "dn-dylu", "--grace-share", "1.5"], "grace_share"),
-        (["simulate", "--overlap", "always"], "unknown overlap rule 'always'"),
-        (["simulate", "--algo", "async", "--overlap", "eager"], "--overlap needs"),
-        (["simulate", "--comm-s", "-3"], "comm_s"),
-        (["simulate", "--fragments", "0"], "fragments"),
-        (["simulate", "--algo", "dn", "--fragments", "2"], "--fragments is modelled"),
-        (["simulate", "--fragments", "4", "--total-steps", "8"], "3 transformer blocks"),
-        (["simulate", "--device", "gpu"], "unknown device 'gpu'"),
-        (["simulate-swarm", "--peers", "0"], "peers"),
-        (["simulate-swarm", "--hierarchy", "tree"], "hierarchy"),
-        (["simulate-swarm", "--hours", "nan"], "hours"),
-        (["simulate-swarm", "--protocol", "async", "--grace-s", "0"], "grace_s"),
-        (["eval"], "checkpoint"),
-        # Delayed Nesterov with N = 1 is naive async: a founder must say how many peers
-        (["join", "--protocol", "async", "--max-rounds", "1"], "--expected-peers"),
-    ],
-)
-def test_bad_flags_are_one_line_and_exit_2(args: list[str], fragment: str) -> None:
-    assert_bad_input(cli(*args), fragment)
+BAD_FLAGS = [
+    (["simulate", "--model", "huge"], "unknown model preset 'huge'"),
+    (["simulate", "--algo", "nope"], "unknown algorithm 'nope'"),
+    (["simulate", "--inner-steps", "0"], "inner_steps"),
+    (["simulate", "--workers", "0"], "workers"),
+    (["simulate", "--total-steps", "-1"], "total_steps"),
+    (["simulate", "--heterogeneity", "extreme"], "heterogeneity"),
+    (["simulate", "--algo", "async", "--drop-prob", "0.5"], "--drop-prob"),
+    (["simulate", "--save", "/nonexistent-folder-xyz/m.safetensors"], "does not exist"),
+    (["simulate", "--bogus"], "--bogus"),
+    (["simulate", "--workers", "abc"], "--workers"),
+    (["simulate", "--algo", "dn-dylu", "--grace-share", "1.5"], "grace_share"),
+    (["simulate", "--overlap", "always"], "unknown overlap rule 'always'"),
+    (["simulate", "--algo", "async", "--overlap", "eager"], "--overlap needs"),
+    (["simulate", "--comm-s", "-3"], "comm_s"),
+    (["simulate", "--fragments", "0"], "fragments"),
+    (["simulate", "--algo", "dn", "--fragments", "2"], "--fragments is modelled"),
+    (["simulate", "--fragments", "4", "--total-steps", "8"], "3 transformer blocks"),
+    (["simulate", "--device", "gpu"], "unknown device 'gpu'"),
+    (["simulate-swarm", "--peers", "0"], "peers"),
+    (["simulate-swarm", "--hierarchy", "tree"], "hierarchy"),
+    (["simulate-swarm", "--hours", "nan"], "hours"),
+    (["simulate-swarm", "--protocol", "async", "--grace-s", "0"], "grace_s"),
+    (["eval"], "checkpoint"),
+    # Delayed Nesterov with N = 1 is naive async: a founder must say how many peers
+    (["join", "--protocol", "async", "--max-rounds", "1"], "--expected-peers"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_results() -> dict[tuple[str, ...], Result]:
+    """Every BAD_FLAGS command, run at once: each is a process of its own, and most of its time
+    is imports (about 3 s here), so the cases run side by side rather than one after another."""
+    with ThreadPoolExecutor(8) as pool:
+        results = pool.map(lambda case: cli(*case[0]), BAD_FLAGS)
+        return {tuple(args): result for (args, _), result in zip(BAD_FLAGS, results, strict=True)}
+
+
+@pytest.mark.parametrize(("args", "fragment"), BAD_FLAGS)
+def test_bad_flags_are_one_line_and_exit_2(
+    args: list[str], fragment: str, bad_flag_results: dict[tuple[str, ...], Result]
+) -> None:
+    assert_bad_input(bad_flag_results[tuple(args)], fragment)
 
 
 def test_simulate_swarm_prints_one_document_and_a_summary_without_json() -> None:

@@ -245,6 +245,8 @@ time.sleep(600)
 """
 
 
+# Slow phase: the choice between owners runs on real DHT nodes in tests/test_manifest_records.py.
+@pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(240)
 def test_a_rival_manifest_under_the_run_name_locks_nobody_out(
