@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 def pytest_configure(config: pytest.Config) -> None:
     """Compile the package once before the suite starts its hundreds of peer and CLI processes.
 
-    Where PYTHONDONTWRITEBYTECODE is set (as on the machines we test on) no process writes bytecode, so
-    each would compile every module it imports again: about 0.5 s of a 3.5 s start here. Where
-    the folder is read-only the processes compile as before.
+    Where PYTHONDONTWRITEBYTECODE is set (as on the machines we test on) no process writes
+    bytecode, so each would compile every module it imports again: about 0.5 s of a 3.5 s start
+    here. Where the folder is read-only the processes compile as before.
     """
     del config
     compileall.compile_dir(Path(diloco_peer.__file__).parent, quiet=2)
