@@ -1,10 +1,10 @@
 """Overlapped rounds on an emulated WAN (issue 18): blocking against overlapped, sync and async.
 
-Needs root. Four `diloco-peer join` peers, one per host of a `diloco_peer.netlab.NetLab`, every
-link shaped to --mbit both ways (`tc ... tbf`), the --model preset on byte tokens, int8 δs,
-H = --inner-steps, each peer on one CPU thread, until the replicated state holds --total-steps
-applied local steps. Per repeat, per protocol, a blocking run and an overlapped one
-(`swarm.overlap`, ALGORITHMS §1.1), on the same lab and seed.
+Needs root. Four (--peers) `diloco-peer join` peers, one per host of a
+`diloco_peer.netlab.NetLab`, every link shaped to --mbit both ways (`tc ... tbf`), the --model
+preset on byte tokens, int8 δs, H = --inner-steps, each peer on one CPU thread, until the
+replicated state holds --total-steps applied local steps. Per repeat, per protocol, a blocking
+run and an overlapped one (`swarm.overlap`, ALGORITHMS §1.1), on the same lab and seed.
 
 Per run: each peer's compute utilization in steady state (compute seconds over wall seconds
 from its first applied round to its last, from the round events: start-up and the run's end
@@ -50,6 +50,7 @@ from diloco_peer.peer.events import read_log
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS = 4
+"""The issue's swarm (--peers sets another)."""
 BEGIN = "<!-- begin: bench/overlap.py (rewritten by the bench) -->"
 END = "<!-- end: bench/overlap.py -->"
 NOTES = "<!-- overlap notes: kept when the bench rewrites this section -->"
@@ -80,7 +81,7 @@ def one_run(a: argparse.Namespace, hosts: list[Host], protocol: str, overlap: bo
             folder: Path, name: str) -> dict[str, Any]:  # fmt: skip
     run_spec, settings = default_run(a.model, protocol)
     run_spec = dataclasses.replace(run_spec, inner_steps=a.inner_steps, compression="int8")
-    settings = dataclasses.replace(settings, expected_peers=PEERS, overlap=overlap)
+    settings = dataclasses.replace(settings, expected_peers=a.peers, overlap=overlap)
     if overlap:  # the rule (ALGORITHMS §1.1): the swarm's defaults unless asked otherwise
         settings = dataclasses.replace(
             settings, overlap_fold=a.fold or settings.overlap_fold,
@@ -103,7 +104,7 @@ def one_run(a: argparse.Namespace, hosts: list[Host], protocol: str, overlap: bo
             time.sleep(1.0)
         codes = [p.poll() for p in swarm.procs]
     peers, curve = [], []
-    for i in range(PEERS):
+    for i in range(a.peers):
         events = read_log(folder / f"peer{i}.jsonl")
         rounds = [e for e in events if e["event"] == "round"]
         stop = next((e for e in events if e["event"] == "stop"), {})
@@ -187,8 +188,9 @@ def render(doc: dict[str, Any]) -> str:
     a = doc["args"]
     lines = [
         "## Overlapped rounds on netlab (bench/overlap.py)", "",
-        f"`{doc['command']}`: {PEERS} peers, one per netlab host, links {a['mbit']:g} Mbit both "
-        f"ways, `{a['model']}` preset on byte tokens ({doc['params']:,} parameters), int8, "
+        f"`{doc['command']}`: {a.get('peers', PEERS)} peers, one per netlab host, links "
+        f"{a['mbit']:g} Mbit both ways, `{a['model']}` preset on byte tokens "
+        f"({doc['params']:,} parameters), int8, "
         f"H = {a['inner_steps']}, until {a['total_steps']} applied steps, one CPU thread per "
         f"peer on {doc['cpus']} cores; {a['repeats']} repeat(s), {doc['wall_s']:.0f} s in all. "
         "*util*: compute s over wall s between a peer's first and last applied round (the "
@@ -231,6 +233,7 @@ def main() -> int:
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--total-steps", type=int, default=1600)
     p.add_argument("--mbit", type=float, default=10.0)
+    p.add_argument("--peers", type=int, default=PEERS, help="peers, one per netlab host")
     p.add_argument("--protocols", default="sync,async")
     p.add_argument("--modes", default="blocking,overlapped", help="which of the two to run")
     p.add_argument(
@@ -257,7 +260,7 @@ def main() -> int:
     folder = Path(time.strftime("/tmp/overlap-bench-%Y%m%d-%H%M%S"))
     runs: list[dict[str, Any]] = []
     with NetLab() as lab:
-        hosts = [lab.add_host(up_mbit=a.mbit, down_mbit=a.mbit) for _ in range(PEERS)]
+        hosts = [lab.add_host(up_mbit=a.mbit, down_mbit=a.mbit) for _ in range(a.peers)]
         for rep in range(a.repeats):
             for protocol in a.protocols.split(","):
                 for overlap in [m == "overlapped" for m in a.modes.split(",")]:
