@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.coordinator_free.dylu import SpeedMeter
 from diloco_peer.coordinator_free.manifest import Manifest
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.state_transfer import StateBlob, StateTransferFailed
@@ -40,14 +42,17 @@ def manifest(run: RunSpec, name: str = "t") -> object:
     return Manifest.create(name, run, SWARM, OWNER)
 
 
-def phase_of(run: RunSpec, signed: object, *, peer: str = "PeerA", **controls: object) -> Phase:
-    training = build_training(run, SWARM, PeerSpec(threads=1), peer, signed.digest)  # type: ignore[attr-defined]
+def phase_of(
+    run: RunSpec, signed: object, *, peer: str = "PeerA", swarm: SwarmSettings = SWARM,
+    **controls: object,
+) -> Phase:  # fmt: skip
+    training = build_training(run, swarm, PeerSpec(threads=1), peer, signed.digest)  # type: ignore[attr-defined]
     ctl = {
         "stop": threading.Event(), "paused": threading.Event(), "on_step": lambda *a: None,
         "publish_head": lambda: None, "view": lambda: None, **controls,
     }  # fmt: skip
     return Phase(
-        training, run=run, swarm=SWARM, me=peer, pinned_shard=-1, throttle=1.0,
+        training, run=run, swarm=swarm, me=peer, pinned_shard=-1, throttle=1.0,
         in_flight=lambda counts, oldest: counts, activity=Activity(), counters=Counters(),
         controls=Controls(**ctl),  # type: ignore[arg-type]
     )  # fmt: skip
@@ -131,6 +136,27 @@ def test_an_overlapped_phase_ends_when_its_round_reaches_the_runs_end(run: RunSp
     # a blocking phase never asks (its round runs after it), nor does a stopping one
     mine, _ = phase_of(run, manifest(run), run_ended=lambda: True).train(5)
     assert mine.steps == 5
+
+
+@pytest.mark.timeout(120)
+def test_an_async_phase_trains_on_to_the_end_its_speed_planned(run: RunSpec) -> None:
+    # DyLU sizes an async phase to end when the others' do; a speed measured low (a 3-step
+    # probe's, on a shared machine) plans too few steps, and the phase would end early and
+    # its round find nobody due: it trains on until its planned end, at most its steps again
+    swarm = dataclasses.replace(SWARM, protocol="async")
+    alone = SwarmView("PeerA", 0, "0" * 64, {})  # nobody else: no one to extend for
+    phase = phase_of(run, manifest(run), swarm=swarm, view=lambda: alone)
+    t0 = time.perf_counter()
+    probe, _ = phase.train(2)  # no speed yet: no planned end
+    assert probe.steps == 2
+    pace = 2 / (time.perf_counter() - t0)  # steps/s, the first steps' warm-up included
+    for measured, steps in ((pace / 20, 4), (pace * 100, 2)):
+        meter = SpeedMeter()
+        meter.update(1, 1 / measured)
+        phase.t.trainer.speed = meter
+        mine, _ = phase.train(2)
+        assert mine.steps == steps, (measured, pace)
+        assert sum(mine.shard_samples.values()) == steps * run.batch_size
 
 
 MEMBER = Identity.generate()

@@ -5,7 +5,10 @@ Plan: H steps in sync mode, DyLU (Eq. 6) over the speeds live peers publish in a
 peer without a measured speed first runs a short probe phase); each step goes to the shard
 furthest below its share (Eq. 2's terms, filled exactly by `fill_shards`), counting what the
 others have in flight. Async: the phase publishes when it should end (`Activity.eta`), and
-rather than idle until peers expected within the grace period arrive, it keeps training.
+rather than idle until peers expected within the grace period arrive, it keeps training; it also
+trains on until the time it was planned to take (its steps at the speed it planned them with:
+DyLU sizes phases to end together, and a speed measured low, as a 3-step probe's often is,
+would end it early, alone).
 """
 
 from __future__ import annotations
@@ -205,6 +208,10 @@ class Phase:
         self._last_step_t = 0.0
         self._eta_checked = 0.0  # perf_counter of the last _refresh_eta check
         self._compute_mark = 0.0  # perf_counter up to which compute_s counts this phase
+        self._planned_end: float | None = None
+        """Async: when (DHT time) this phase should end as planned: its steps at the speed it
+        planned them with (`_announce`); it trains on until then (`_extend`; ALGORITHMS §2.3
+        in docs/algorithms.md)."""
 
     # ----- planning
 
@@ -364,8 +371,9 @@ class Phase:
         """Async: tell the swarm when this phase should end (async groups wait only for peers
         expected within the grace period) and which shards it trains."""
         speed = self.t.trainer.speed.steps_per_s
+        self._planned_end = None
         if self.asynchronous and speed:
-            self.activity.eta = get_dht_time() + steps / speed
+            self.activity.eta = self._planned_end = get_dht_time() + steps / speed
             self.activity.plan = head_plan(plan, self.run.batch_size)
             self.controls.publish_head()
             self._eta_checked = time.perf_counter()
@@ -373,13 +381,18 @@ class Phase:
     def _refresh_eta(self, done: int, planned: int, since: float) -> None:
         """Async: publish the phase's end again when the pace measured in this phase (steps
         `done` of `planned` since `since`) moved it by more than ETA_DRIFT_S: a peer sharing its
-        device, or slowed by others, would otherwise be waited for at the wrong time."""
+        device, or slowed by others, would otherwise be waited for at the wrong time. A phase
+        ahead of its plan trains on to the planned end (`_extend`, at most `planned` steps more),
+        so that stays its end."""
         now = time.perf_counter()
         eta = self.activity.eta
         if eta is None or done < 2 or done >= planned or now - self._eta_checked < ETA_REFRESH_S:
             return
         self._eta_checked = now
-        new = get_dht_time() + (planned - done) * (now - since) / done
+        pace, dht_now = (now - since) / done, get_dht_time()
+        new = dht_now + (planned - done) * pace
+        if self._planned_end is not None and self._planned_end > new:
+            new = min(self._planned_end, dht_now + (2 * planned - done) * pace)
         if abs(new - eta) > ETA_DRIFT_S:
             self.activity.eta = new
             self.controls.publish_head()
@@ -405,17 +418,23 @@ class Phase:
         view = self.controls.view()
         return view.expected_until(get_dht_time(), self.t.grace_s(self.swarm, view))
 
+    def _extension_end(self) -> float | None:
+        """Async: until when (DHT time) a phase that has trained its planned steps trains on:
+        the later of the others' ends within the grace period and its own planned end."""
+        ends = [t for t in (self._expected_until(), self._planned_end) if t is not None]
+        return max(ends) if ends else None
+
     def _extend(
         self, planned: int, done: list[int], on_step: Callable[[int, float], None]
     ) -> tuple[int, float] | None:
         """Async: rather than idle until peers expected within the grace period arrive, keep
         training (at most as many steps again as planned) until the latest of them should be
-        done, each extra step on the shard furthest below its share. Returns (extra steps,
-        their mean loss), or None."""
+        done, or until this phase's planned end if that is later, each extra step on the shard
+        furthest below its share. Returns (extra steps, their mean loss), or None."""
         speed = self.t.trainer.speed.steps_per_s
         if not self.asynchronous or not speed:
             return None
-        until = self._expected_until()
+        until = self._extension_end()
         if until is None:
             return None
         step_s, read = 1.0 / speed, time.perf_counter()
@@ -437,5 +456,5 @@ class Phase:
             loss_sum += loss
             extra += 1
             if time.perf_counter() - read >= ETA_REFRESH_S:  # they may have arrived or slipped
-                until, read = self._expected_until(), time.perf_counter()
+                until, read = self._extension_end(), time.perf_counter()
         return (extra, loss_sum / extra) if extra else None
