@@ -5,6 +5,8 @@ diloco_peer/peer/events.py."""
 from __future__ import annotations
 
 import json
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +39,10 @@ def publish(doc: dict[str, Any], json_path: Path | None, markdown: Path | None, 
         json_path.write_text(text)
     if markdown:
         write_section(markdown, section, begin, end, notes_marker)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (a `kill`, a job's time limit) ends the bench as Ctrl-C does, through its `with`
+    blocks: its peers run in sessions of their own and its netlab namespaces outlive it, so
+    without this a SIGTERM left both behind (seen 2026-12-06: 5 namespaces of bench/overlap.py)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

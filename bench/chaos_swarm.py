@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
+
 from diloco_peer.local_swarm import PEER_COMMAND, LocalSwarm, branches
 from diloco_peer.peer.events import read_log
 
@@ -153,6 +155,7 @@ def _write_section(path: Path, section: str) -> None:
 
 
 def main() -> int:
+    _common.exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--versions", type=int, default=6)

@@ -47,6 +47,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import _common
 from _common import write_section
 
 from diloco_peer import procfs
@@ -467,6 +468,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def main() -> int:
+    _common.exit_on_sigterm()
     args = parse()
     folder = args.folder or Path(tempfile.mkdtemp(prefix="churn-"))
     folder.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,8 @@ from typing import Any
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported: a quiet stderr
 
+import _common
+
 from diloco_peer.coordinator_free import records  # noqa: E402
 from diloco_peer.coordinator_free.status import SwarmReader  # noqa: E402
 from diloco_peer.local_swarm import LocalSwarm  # noqa: E402
@@ -99,6 +101,7 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
 
 def main() -> int:
+    _common.exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=16)
     parser.add_argument("--inner-steps", type=int, default=20)

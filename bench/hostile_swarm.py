@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
 from _common import write_section
 
 from diloco_peer.identity import Identity
@@ -242,6 +243,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def main() -> int:
+    _common.exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default=",".join(ATTACKS),
                         help=f"comma-separated, of: {', '.join(ATTACKS)}")  # fmt: skip

@@ -228,6 +228,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def main() -> int:
+    _common.exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="20m")
     p.add_argument("--inner-steps", type=int, default=50)

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
+
 from diloco_peer.local_swarm import LocalSwarm, branches
 from diloco_peer.peer.events import read_log
 
@@ -111,6 +113,7 @@ def one_run(a: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
 
 def main() -> int:
+    _common.exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=4)
     p.add_argument("--fold", choices=("rebase", "mix", "pull"), default="mix")

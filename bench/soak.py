@@ -266,6 +266,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def main() -> int:
+    _common.exit_on_sigterm()
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
 from _common import publish  # noqa: E402
 
 from diloco_peer.config import default_run  # noqa: E402
@@ -236,6 +237,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    _common.exit_on_sigterm()
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
