@@ -42,7 +42,9 @@ speaks TCP only here, so UDP is left alone.)
 Namespaces are named `<prefix>-hub` and `<prefix>-h<i>`; the prefix defaults to one per process,
 so two labs never collide. `close()` (or leaving the `with`) deletes every namespace, which kills
 nothing: stop the processes you started in them first. `remove_stale()` deletes what a killed run
-left behind.
+left behind; a new lab also deletes the labs of default prefix whose process is gone and in
+which nothing runs (`remove_orphans()`: a run killed before its `close()`, as pytest stopped by
+SIGTERM skips its fixtures' teardown).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ SUBNET = "10.213.0"
 """The lab's /24: hosts get .1, .2, ... (the subnet is private and never routed out)."""
 _MAX_HOSTS = 250
 _PREFIX = re.compile(r"[a-z][a-z0-9]{0,7}")
+_DEFAULT_LAB = re.compile(r"dp(\d+)-(hub|h\d+)")
+"""A namespace of a lab of default prefix: `dp<pid % 100000>-...`."""
 _CMD_TIMEOUT_S = 20.0
 
 
@@ -159,6 +163,7 @@ class NetLab:
         self._side_of: dict[str, int] = {}
         """Bridge port -> the side (bridge number) it is on; ports not listed are on br0."""
         self.remove_stale(prefix)
+        self.remove_orphans()
         try:
             _run("ip", "netns", "add", self.hub)
             _run("ip", "-n", self.hub, "link", "set", "lo", "up")
@@ -313,6 +318,29 @@ class NetLab:
         self.hosts = []
         self.sides = 0
         self._side_of = {}
+
+    @staticmethod
+    def remove_orphans() -> list[str]:
+        """Delete the namespaces of default-prefix labs (`dp<pid>-*`) whose process is gone (no
+        live pid has that remainder) and in which no process runs; returns their names."""
+        names = Path("/run/netns")
+        if not names.is_dir():
+            return []
+        alive = {int(p.name) % 100_000 for p in Path("/proc").iterdir() if p.name.isdigit()}
+        removed = []
+        for path in sorted(names.iterdir()):
+            match = _DEFAULT_LAB.fullmatch(path.name)
+            if match is None or int(match.group(1)) in alive:
+                continue
+            pids = subprocess.run(["ip", "netns", "pids", path.name], capture_output=True,
+                                  text=True, timeout=_CMD_TIMEOUT_S)  # fmt: skip
+            if pids.returncode != 0 or pids.stdout.strip():
+                continue  # something still runs there (or we cannot tell): leave it
+            subprocess.run(
+                ["ip", "netns", "del", path.name], capture_output=True, timeout=_CMD_TIMEOUT_S
+            )
+            removed.append(path.name)
+        return removed
 
     @staticmethod
     def remove_stale(prefix: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +173,32 @@ def test_a_partition_cuts_the_sides_apart_and_heal_joins_them() -> None:
             for proc in [*servers, *([holder] if holder else [])]:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_new_lab_deletes_the_orphaned_labs_of_dead_processes_only() -> None:
+    # a run killed before its close() (pytest stopped by SIGTERM skips fixture teardown) leaves
+    # its namespaces; the next lab deletes those of a default prefix whose process is gone and
+    # in which nothing runs, and leaves the others
+    alive = {int(p.name) % 100_000 for p in Path("/proc").iterdir() if p.name.isdigit()}
+    dead = [n for n in range(99_999, 50_000, -1) if n not in alive][:2]
+    orphan = [f"dp{dead[0]}-hub", f"dp{dead[0]}-h1"]
+    busy, named = f"dp{dead[1]}-h1", "dpkeep-h1"  # something runs in it; not a default prefix
+    for name in (*orphan, busy, named):
+        subprocess.run(["ip", "netns", "add", name], check=True, timeout=20)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", busy, "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while not subprocess.run(["ip", "netns", "pids", busy], capture_output=True,
+                                 text=True).stdout.strip():  # fmt: skip
+            assert time.monotonic() < deadline, "the sleeper never entered its namespace"
+            time.sleep(0.1)
+        with NetLab(prefix="dptest"):
+            left = {p.name for p in Path("/run/netns").iterdir()}
+        assert not left & set(orphan)
+        assert {busy, named} <= left
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=10)
+        for name in (*orphan, busy, named):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
