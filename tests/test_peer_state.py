@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 
 from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.dylu import SpeedMeter
@@ -157,6 +158,32 @@ def test_an_async_phase_trains_on_to_the_end_its_speed_planned(run: RunSpec) -> 
         mine, _ = phase.train(2)
         assert mine.steps == steps, (measured, pace)
         assert sum(mine.shard_samples.values()) == steps * run.batch_size
+
+
+def test_an_async_phase_trains_on_to_meet_the_group_after_the_one_that_formed_without_it(
+    run: RunSpec,
+) -> None:
+    # PeerB's group formed without us (it is at v1, we at v0) and trains its next phase: rather
+    # than apply alone, ours trains on to meet it, ending our last catch-up's seconds early
+    swarm = dataclasses.replace(SWARM, protocol="async", grace_s=0.5)
+    eta = [0.0]
+
+    def seen() -> SwarmView:
+        b = PeerHead(peer_id="PeerB", version=1, state_hash="1" * 64, speed=1.0, eta=eta[0])
+        return SwarmView("PeerA", 0, "0" * 64, {"PeerB": b})
+
+    phase = phase_of(run, manifest(run), swarm=swarm, view=seen)
+    meter = SpeedMeter()
+    meter.update(1, 1.0)  # 1 step/s: a phase of H = 5 s, a grace period of 2.5 s
+    phase.t.trainer.speed = meter
+    phase.counters.catch_up_s = 1.5
+    now = get_dht_time()
+    eta[0] = now + 6.0  # past the grace period, within a phase after it
+    assert phase._extension_end() == pytest.approx(now + 4.5, abs=0.01)
+    eta[0] = now + 2.0  # within the grace period: its end, less the catch-up
+    assert phase._extension_end() == pytest.approx(now + 0.5, abs=0.01)
+    eta[0] = now + 8.0  # more than a phase after it: not waited for
+    assert phase._extension_end() is None
 
 
 MEMBER = Identity.generate()

@@ -362,6 +362,10 @@ def test_expected_until_is_the_latest_end_within_the_grace_period() -> None:
     )
     assert v.expected_until(NOW, 2.0) == NOW + 1.9
     assert view(head(A, eta=NOW + 3)).expected_until(NOW, 2.0) is None
+    # a peer at a later version: we catch up to it first, so its phase counts as ending earlier
+    ahead = view(head(A, eta=NOW + 1.0), head(B, 1, eta=NOW + 1.9), head(C, 1, eta=NOW + 2.5))
+    assert ahead.expected_until(NOW, 2.0, lead_s=1.5) == NOW + 1.0
+    assert ahead.expected_until(NOW, 3.0, lead_s=0.2) == NOW + 2.3
 
 
 # ----------------------------------------------------------------------------- planning

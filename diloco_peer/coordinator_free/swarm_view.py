@@ -335,15 +335,17 @@ class SwarmView:
             for h in self.others().values()
         )
 
-    def expected_until(self, now: float, grace_s: float) -> float | None:
-        """Async: the latest end (DHT time) of the other peers' phases that end within the
-        grace period after `now`, or None if there are none."""
-        etas = [
-            h.eta
+    def expected_until(self, now: float, window_s: float, lead_s: float = 0.0) -> float | None:
+        """Async: the latest end (DHT time) of the other peers' phases that end within
+        `window_s` after `now`, or None if there are none. A phase of a peer at a version past
+        ours counts as ending `lead_s` earlier: we catch up to its version before we can join
+        its group."""
+        ends = [
+            h.eta - (lead_s if h.version > self.version else 0.0)
             for h in self.others().values()
-            if h.eta is not None and now < h.eta <= now + grace_s
+            if h.eta is not None and now < h.eta <= now + window_s
         ]
-        return max(etas) if etas else None
+        return max(ends) if ends else None
 
     def speeds(self, mine: float | None) -> dict[str, float]:
         """Published inner-step speeds for DyLU (Eq. 6), ours included; unmeasured ones left

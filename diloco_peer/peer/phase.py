@@ -8,7 +8,8 @@ others have in flight. Async: the phase publishes when it should end (`Activity.
 rather than idle until peers expected within the grace period arrive, it keeps training; it also
 trains on until the time it was planned to take (its steps at the speed it planned them with:
 DyLU sizes phases to end together, and a speed measured low, as a 3-step probe's often is,
-would end it early, alone).
+would end it early, alone), and, when its group formed without it, until the next group's
+phases end, so that it meets that group rather than apply its δ alone.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ ETA_REFRESH_S = 1.0
 re-reads the others' (`_refresh_eta`, `_extend`)."""
 ETA_DRIFT_S = 0.5
 """Async: a phase's end moved by more than this is published again."""
+REJOIN_SHARE = 1.0
+"""Async: a phase that has trained its steps trains on (at most as many again) until the other
+peers' phases end, for those ending up to this share of a phase after the grace period too
+(`_expected_until`): a peer whose group formed without it then meets the next group, where it
+applied its δ alone before (netlab: lone commits and groups out of step; ALGORITHMS §2.3)."""
 
 
 class StopRequested(Exception):
@@ -414,23 +420,31 @@ class Phase:
         return {s: n * self.run.batch_size for s, n in enumerate(done) if n}
 
     def _expected_until(self) -> float | None:
-        """Async: the latest end of the phases of peers expected within the grace period."""
+        """Async: the latest end of the other peers' phases that end within the grace period,
+        or within REJOIN_SHARE of a phase after it: a peer whose phase ended after its group
+        formed without it trains on to meet the group after it rather than apply alone, ending
+        its last catch-up's seconds early where that group is at a later version (it must catch
+        up first)."""
         view = self.controls.view()
-        return view.expected_until(get_dht_time(), self.t.grace_s(self.swarm, view))
+        speed = self.t.trainer.speed.steps_per_s
+        window = self.t.grace_s(self.swarm, view)
+        window += REJOIN_SHARE * (view.phase_s(speed, self.run.inner_steps) or 0.0)
+        return view.expected_until(get_dht_time(), window, self.counters.catch_up_s)
 
     def _extension_end(self) -> float | None:
         """Async: until when (DHT time) a phase that has trained its planned steps trains on:
-        the later of the others' ends within the grace period and its own planned end."""
+        the later of the others' ends (`_expected_until`) and its own planned end."""
         ends = [t for t in (self._expected_until(), self._planned_end) if t is not None]
         return max(ends) if ends else None
 
     def _extend(
         self, planned: int, done: list[int], on_step: Callable[[int, float], None]
     ) -> tuple[int, float] | None:
-        """Async: rather than idle until peers expected within the grace period arrive, keep
-        training (at most as many steps again as planned) until the latest of them should be
-        done, or until this phase's planned end if that is later, each extra step on the shard
-        furthest below its share. Returns (extra steps, their mean loss), or None."""
+        """Async: rather than idle until peers expected within the grace period arrive (or
+        apply alone, when they are a phase ahead: `_expected_until`), keep training (at most as
+        many steps again as planned) until the latest of them should be done, or until this
+        phase's planned end if that is later, each extra step on the shard furthest below its
+        share. Returns (extra steps, their mean loss), or None."""
         speed = self.t.trainer.speed.steps_per_s
         if not self.asynchronous or not speed:
             return None

@@ -345,6 +345,7 @@ class SwarmPeer:
         if moved is None:
             return False
         self.counters.wait_s += moved.seconds
+        self.counters.catch_up_s = moved.seconds
         recontributed = moved.lost_fork and self.ledger.recontribute(moved.from_version)
         if recontributed:
             log.warning("[%s] our branch at v%d lost a fork; our δ goes into the next group",

@@ -53,6 +53,9 @@ class Counters:
     hidden_wait_s: float = 0.0
     """Of `wait_s`, the seconds an overlapped round waited while the next phase trained (the
     device was not idle: `idle_fraction` leaves them out)."""
+    catch_up_s: float = 0.0
+    """Seconds the last catch-up that moved this peer took (an async phase that trains on to
+    meet peers at a later version ends that much before their phases do)."""
     bytes_sent: int = 0
     bytes_received: int = 0
     last_loss: float | None = None
