@@ -30,7 +30,14 @@ from diloco_peer.peer.catch_up import CatchUp
 from diloco_peer.peer.certify import Certifier
 from diloco_peer.peer.delta import Contribution
 from diloco_peer.peer.heads import Activity
-from diloco_peer.peer.phase import Controls, Phase, PhasePaused, StopRequested, build_training
+from diloco_peer.peer.phase import (
+    ETA_DRIFT_S,
+    Controls,
+    Phase,
+    PhasePaused,
+    StopRequested,
+    build_training,
+)
 from diloco_peer.peer.replica import Replica
 from diloco_peer.peer.telemetry import Counters, Gauges, RoundReport, TensorBoard, serve_metrics
 from diloco_peer.peer.trust import Guard
@@ -158,6 +165,40 @@ def test_an_async_phase_trains_on_to_the_end_its_speed_planned(run: RunSpec) -> 
         mine, _ = phase.train(2)
         assert mine.steps == steps, (measured, pace)
         assert sum(mine.shard_samples.values()) == steps * run.batch_size
+
+
+@pytest.mark.timeout(120)
+def test_an_async_phase_publishes_its_end_when_it_ends_before_the_end_it_published(
+    run: RunSpec,
+) -> None:
+    # an end published from a slow stretch stays in the future after the phase is over, and
+    # peers ending then saw nobody due and committed alone at the same moment (netlab)
+    swarm = dataclasses.replace(SWARM, protocol="async")
+    alone = SwarmView("PeerA", 0, "0" * 64, {})
+    published: list[float | None] = []
+    phase = phase_of(run, manifest(run), swarm=swarm, view=lambda: alone,
+                     publish_head=lambda: published.append(phase.activity.eta))  # fmt: skip
+    t0 = time.perf_counter()
+    phase.train(2)
+    pace = 2 / (time.perf_counter() - t0)
+    meter = SpeedMeter()
+    meter.update(1, 200 / pace)  # planned: 2 steps in 400 real steps' time
+    phase.t.trainer.speed = meter
+    mine, _ = phase.train(2)
+    assert mine.steps == 4  # on to the planned end, at most its steps again: ends long before
+    assert len(published) == 2 and published[0] is not None and published[1] is not None
+    assert published[1] < published[0] - 1.0 and published[1] <= get_dht_time() + ETA_DRIFT_S
+    # only an end that moved by more than the drift is published; a sync phase publishes none
+    phase.activity.eta = end = get_dht_time() + 10.0
+    phase._publish_end(end + 0.2)
+    phase._publish_end(end - 5.0, later=False)
+    assert published[2:] == [end - 5.0]
+    phase._publish_end(end + 5.0, later=False)  # later, but only an earlier one was asked for
+    assert len(published) == 3
+    sync = phase_of(run, manifest(run), publish_head=lambda: published.append(None))
+    sync.activity.eta = end
+    sync._publish_end(end - 5.0)
+    assert len(published) == 3
 
 
 def test_an_async_phase_trains_on_to_meet_the_group_after_the_one_that_formed_without_it(

@@ -30,7 +30,7 @@ from diloco_peer.peer.delta import Contribution, Ledger
 from diloco_peer.peer.heads import Activity
 from diloco_peer.peer.phase import Training
 from diloco_peer.peer.replica import Replica
-from diloco_peer.peer.round import Round, RoundStatus
+from diloco_peer.peer.round import LOOK_AGAIN_S, Round, RoundStatus
 from diloco_peer.peer.telemetry import Counters, TensorBoard
 from diloco_peer.peer.trust import Guard
 
@@ -52,7 +52,7 @@ class FakeHeads:
         """What `rivals` answers: another group's claim on the same base, if any."""
         self.voided: list[UpdateRecord] = []
 
-    # Certifier's part (peer/round.py `Sealer`), on the same fake
+    # Certifier's part (peer/certify.py `Sealer`), on the same fake
     def seal(self, record: UpdateRecord) -> None:
         self.sealed.append(record)
 
@@ -388,12 +388,33 @@ def test_a_group_commits_beside_a_smaller_groups_version_at_its_own() -> None:
 def test_async_waits_only_for_peers_expected_soon() -> None:
     # the other peer trains a long phase: nobody to wait for, the δ is applied at once
     busy = {OTHER: {"speed": 1.0, "eta": 1e12}}
-    part, replica, _, events = make_round(FakeAverager(AssertionError("not asked")), busy,
-                                          protocol="async")  # fmt: skip
+    part, replica, heads, events = make_round(FakeAverager(AssertionError("not asked")), busy,
+                                              protocol="async")  # fmt: skip
     assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.ALONE
     # a lone commit beside live peers says why (netlab forks start with one)
     assert events.emitted[0][0] == "alone"
     assert events.emitted[0][1]["reason"] == "none of 1 live peers expected"
+    assert heads.published[0] is True  # it said it was in a group search and looked again
+
+
+def test_async_looks_again_before_a_lone_commit_and_groups_with_a_peer_ending_now() -> None:
+    # netlab: two peers whose phases ended 0.1 s apart each read the other's head before it
+    # changed (an end still ahead), found nobody due and committed alone: a fork
+    ahead = {OTHER: {"speed": 1.0, "eta": 1e12}}
+    averager = FakeAverager(result([ME.peer_id_str, OTHER]))
+    part, _, heads, events = make_round(averager, ahead, protocol="async")
+    said = heads.publish
+
+    def publish(in_group: bool = False, leaving: bool = False) -> None:
+        said(in_group, leaving)
+        if in_group:  # the other peer, ending at this moment, says so too
+            heads.others[OTHER] = {"speed": 1.0, "in_group": True}
+
+    heads.publish = publish  # type: ignore[method-assign]
+    t = time.monotonic()
+    assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.COMMITTED
+    assert time.monotonic() - t >= LOOK_AGAIN_S and "alone" not in events.names()
+    assert len(averager.calls) == 1 and averager.calls[0]["target_size"] == 2
 
 
 def test_an_overlapped_async_round_waits_for_peers_due_before_its_next_phase_ends() -> None:
@@ -414,12 +435,12 @@ def test_async_with_nobody_to_wait_for_follows_a_peer_that_moved_on_before_going
     # netlab, overlapped: a peer caught up, then another committed alone before our group
     # search; applying alone at the old version forked the state. Catch up, then try there.
     busy = {OTHER: {"speed": 1.0, "eta": 1e12}}
-    moved = iter([True, False])
+    moved = iter([True, False, False])
     part, _, _, events = make_round(FakeAverager(AssertionError("not asked")), busy,
                                     protocol="async", catch_up=lambda: next(moved))  # fmt: skip
     assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.ALONE
     assert events.names() == ["alone", "round"]  # once, after the catch-up
-    assert next(moved, None) is None  # asked twice: before each lone decision
+    assert next(moved, None) is None  # asked before each lone decision (and the look again)
 
 
 def test_async_without_a_group_retries_at_a_new_head_or_while_a_peer_is_grouping() -> None:

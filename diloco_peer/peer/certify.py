@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from hivemind.dht import DHT
 
@@ -41,6 +42,22 @@ SEAL_WAIT_S = 3.0
 """How long `verify` keeps reading for seals still missing (members store theirs as they
 commit, within moments of each other)."""
 _REREAD_S = 0.5
+
+
+class Sealer(Protocol):
+    """This peer's side of commit certificates as a round uses it (`Certifier`)."""
+
+    def seal(self, record: UpdateRecord) -> None: ...
+
+    def rivals(self, record: UpdateRecord) -> list[Statement]: ...
+
+    def void(self, record: UpdateRecord) -> None: ...
+
+    def seal_statement(
+        self, statement: Statement, tell: Callable[[bytes], None] | None = None
+    ) -> None: ...
+
+    def read(self, base_version: int) -> dict[str, bytes]: ...
 
 
 class Certifier:

@@ -320,6 +320,7 @@ class Phase:
         if extra:
             loss_sum += extra[1] * extra[0]
             steps += extra[0]
+        self._publish_end(get_dht_time(), later=False)
         self._charge()
         self.activity.training = False
         if overlap is not None:  # a round still in flight: wait for it, fold at the end
@@ -403,6 +404,19 @@ class Phase:
             self.activity.eta = new
             self.controls.publish_head()
 
+    def _publish_end(self, end: float, *, later: bool = True) -> None:
+        """Async: publish `end` (DHT time) as this phase's end if it differs from the published
+        one by more than ETA_DRIFT_S (`later` False: only if it is earlier). An end published
+        from a slow stretch of the phase stays in the future after the phase is over: peers
+        ending then saw nobody due and committed alone at the same moment (netlab, two peers
+        whose phases ended 0.1 s apart)."""
+        eta = self.activity.eta
+        if not self.asynchronous or eta is None or abs(end - eta) <= ETA_DRIFT_S:
+            return
+        if later or end < eta:
+            self.activity.eta = end
+            self.controls.publish_head()
+
     def _batches(self, shard: int, done: list[int]) -> Callable[[], list[torch.Tensor]]:
         """The batch source of one shard for `InnerTrainer.train`; counts the steps it serves."""
 
@@ -452,6 +466,7 @@ class Phase:
         if until is None:
             return None
         step_s, read = 1.0 / speed, time.perf_counter()
+        self._publish_end(min(until, get_dht_time() + planned * step_s))
         counts = self._shard_counts()
         sizes = [len(s) for s in self.t.shards]
         rng = random.Random(f"{self.me}/{self.t.state.version}/{self.counters.rounds_done}/extend")
@@ -471,4 +486,6 @@ class Phase:
             extra += 1
             if time.perf_counter() - read >= ETA_REFRESH_S:  # they may have arrived or slipped
                 until, read = self._extension_end(), time.perf_counter()
+                if until is not None:  # the end we now train to, within the bound
+                    self._publish_end(min(until, get_dht_time() + (planned - extra) * step_s))
         return (extra, loss_sum / extra) if extra else None

@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from hivemind.utils import get_dht_time
@@ -34,6 +33,7 @@ from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free.swarm_view import group_plan
 from diloco_peer.coordinator_free.update_log import UpdateRecord
 from diloco_peer.errors import AllReduceFailed, GaveUp, LeftOut, NoGroup
+from diloco_peer.peer.certify import Sealer
 from diloco_peer.peer.delta import Contribution, Ledger, common_term
 from diloco_peer.peer.events import EventLog
 from diloco_peer.peer.heads import Activity, HeadChannel
@@ -44,6 +44,9 @@ from diloco_peer.peer.telemetry import Counters, RoundReport, TensorBoard
 from diloco_peer.peer.trust import Guard, Offer
 
 log = logging.getLogger(__name__)
+
+LOOK_AGAIN_S = 1.0
+"""Async: how long a round that said it is in a group search waits to look again (`_look_again`)."""
 
 
 class RoundStatus(enum.Enum):
@@ -70,22 +73,6 @@ class RoundOutcome:
     @property
     def applied(self) -> bool:
         return self.report is not None
-
-
-class Sealer(Protocol):
-    """This peer's side of commit certificates (peer/certify.py `Certifier`)."""
-
-    def seal(self, record: UpdateRecord) -> None: ...
-
-    def rivals(self, record: UpdateRecord) -> list[Statement]: ...
-
-    def void(self, record: UpdateRecord) -> None: ...
-
-    def seal_statement(
-        self, statement: Statement, tell: Callable[[bytes], None] | None = None
-    ) -> None: ...
-
-    def read(self, base_version: int) -> dict[str, bytes]: ...
 
 
 class Round:
@@ -127,6 +114,8 @@ class Round:
         """States above our base we gave a version up to: the second time, we commit."""
         self._searched_past: set[tuple[int, str]] = set()
         """States (a quorum's) we stopped a group search for: the second time, we search on."""
+        self._looked_again: tuple[int, str] = (-1, "")
+        """The state at which a round last looked again before a lone commit (once a state)."""
         self._outwaited: tuple[int, str, frozenset[str]] = (-1, "", frozenset())
         """(version, state, peers) that said they were in a group at our state for a whole
         round of ours that found none: the next round at that state does not wait for them."""
@@ -160,8 +149,8 @@ class Round:
         )  # fmt: skip
         if plan is None:  # alone in the swarm (Lookahead mode), or nobody worth waiting for
             n = len(view.others())
-            if n and self.catch_up():  # a peer moved on since our last catch-up: follow it
-                return RoundOutcome(RoundStatus.RETRY)  # (applying alone here would fork)
+            if n and (self.catch_up() or self._look_again()):  # follow a peer that moved on,
+                return RoundOutcome(RoundStatus.RETRY)  # or see one ending now: never fork
             return self._alone(mine, loss, t0, f"none of {n} live peers expected" if n else "")
         key, offer, weight = self._offer(mine, announce=True, expected=len(plan.wait_for) + 1)
         waited = time.time()
@@ -204,6 +193,18 @@ class Round:
             mine, result.contributors, result, loss, t0, self.guard.group_shards(result),
             self.guard.staleness(result, self.replica.version),
         )  # fmt: skip
+
+    def _look_again(self) -> bool:
+        """Async, before a lone commit beside live peers, once per state: say we are in a group
+        search and look again after LOOK_AGAIN_S (True). Two peers whose phases ended 0.1 s
+        apart each read the other's head before it changed and committed alone (netlab)."""
+        if self.replica.at() == self._looked_again:
+            return False
+        self._looked_again = self.replica.at()
+        self.activity.grouping = True  # until the round ends (Activity.idle)
+        self.heads.publish(in_group=True)
+        time.sleep(LOOK_AGAIN_S)
+        return True
 
     def _offer(
         self, mine: Contribution, *, announce: bool, expected: int = 0
