@@ -392,17 +392,16 @@ class Phase:
         ahead of its plan trains on to the planned end (`_extend`, at most `planned` steps more),
         so that stays its end."""
         now = time.perf_counter()
-        eta = self.activity.eta
-        if eta is None or done < 2 or done >= planned or now - self._eta_checked < ETA_REFRESH_S:
+        if self.activity.eta is None or done < 2 or done >= planned:
+            return
+        if now - self._eta_checked < ETA_REFRESH_S:
             return
         self._eta_checked = now
         pace, dht_now = (now - since) / done, get_dht_time()
         new = dht_now + (planned - done) * pace
         if self._planned_end is not None and self._planned_end > new:
             new = min(self._planned_end, dht_now + (2 * planned - done) * pace)
-        if abs(new - eta) > ETA_DRIFT_S:
-            self.activity.eta = new
-            self.controls.publish_head()
+        self._publish_end(new)
 
     def _publish_end(self, end: float, *, later: bool = True) -> None:
         """Async: publish `end` (DHT time) as this phase's end if it differs from the published
