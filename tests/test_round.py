@@ -413,7 +413,7 @@ def test_async_looks_again_before_a_lone_commit_and_groups_with_a_peer_ending_no
     heads.publish = publish  # type: ignore[method-assign]
     t = time.monotonic()
     assert part.run(delta(), loss=2.0, t0=0.0).status is RoundStatus.COMMITTED
-    assert time.monotonic() - t >= LOOK_AGAIN_S and "alone" not in events.names()
+    assert time.monotonic() - t >= LOOK_AGAIN_S - 0.05 and "alone" not in events.names()
     assert len(averager.calls) == 1 and averager.calls[0]["target_size"] == 2
 
 
