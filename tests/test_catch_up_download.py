@@ -35,8 +35,10 @@ class FakeState:
 class FakeReplica:
     """A replica whose `load` takes the state hash (and the head's version) from the bytes."""
 
-    def __init__(self, blob_bytes: int = 0) -> None:
+    def __init__(self, blob_bytes: int = 0, loads_version: int = TOP) -> None:
         self.state = FakeState()
+        self.loads_version = loads_version
+        """The version every downloaded state holds (the head's, unless a test says)."""
         self.blob = StateBlob(version=1, state_hash="0" * 64, data=b"x" * blob_bytes)
         self.snapshots = 0
         self.kept: list[UpdateRecord] = []
@@ -50,7 +52,7 @@ class FakeReplica:
         return self.blob.version
 
     def load(self, data: bytes) -> None:
-        self.state.version, self.state._hash = TOP, data.decode()
+        self.state.version, self.state._hash = self.loads_version, data.decode()
 
     def restore(self) -> None:
         self.state.version, self.state._hash = 1, "0" * 64
@@ -137,6 +139,17 @@ def test_one_donor_downloads_alone_and_all_failing_changes_nothing() -> None:
     assert downloads.calls == [("single", "d1")]
     downloads = FakeDownloads(None, {})
     replica = FakeReplica()
+    assert catch_up(downloads, replica).run(choice(["d1", "d2"])) is None
+    assert [c[0] for c in downloads.calls] == ["multi", "single", "single"]
+    assert replica.state.version == 1 and replica.snapshots == 0
+
+
+@pytest.mark.timeout(10)
+def test_a_state_of_the_heads_hash_at_another_version_is_refused() -> None:
+    # A head that named the version above the state its hash belongs to (a state nobody holds)
+    # must not move the replica to the state below: the version is checked as well as the hash.
+    downloads = FakeDownloads(blob(WANT), {"d1": blob(WANT), "d2": blob(WANT)})
+    replica = FakeReplica(loads_version=TOP - 1)
     assert catch_up(downloads, replica).run(choice(["d1", "d2"])) is None
     assert [c[0] for c in downloads.calls] == ["multi", "single", "single"]
     assert replica.state.version == 1 and replica.snapshots == 0

@@ -397,3 +397,36 @@ def test_the_head_book_holds_under_the_threads_that_share_it(
     assert errors == []
     view = channel.view()
     assert len(view.heads) >= 8 and channel.departed_version > 0
+
+
+@pytest.mark.timeout(10)
+def test_a_head_published_during_a_commit_names_the_published_state() -> None:
+    """Between a group's `prepare` and `publish` the state is one version ahead of the snapshot
+    the state server hands out: a head (the heartbeat's, on its own thread) or a swarm view made
+    then names the published version with its hash, never the new version with the old hash
+    (a state nobody holds, which a peer that had committed the new version took for a fork it
+    lost, and went back a version: netlab, a healed partition)."""
+    from diloco_peer.averaging.outer import build_outer_optimizer
+    from diloco_peer.averaging.state import ReplicatedState
+    from diloco_peer.identity import Identity
+    from diloco_peer.peer.heads import Activity, Facts, HeadChannel
+    from diloco_peer.peer.replica import Replica, UpdateLog
+    from diloco_peer.peer.telemetry import Counters
+
+    state = ReplicatedState([torch.zeros(2)], build_outer_optimizer("sgd", lr=1.0), 2, "m" * 64)
+    replica = Replica(state, UpdateLog(4))
+    replica.snapshot()
+    facts = Facts(speed=lambda: 1.0, batch_size=4, client_mode=lambda: False,
+                  bans=lambda: None, resources=lambda: {})  # fmt: skip
+    channel = HeadChannel(
+        lambda: None, Identity.generate(), "run1", allow=lambda p: True, replica=replica,
+        counters=Counters(), activity=Activity(), facts=facts, faults=FaultPlan(),
+    )  # fmt: skip
+    before = (0, replica.published_hash)
+    record = replica.prepare([torch.ones(2)], ["a"], {0: 4}, {})
+    assert replica.version == 1 and state.hash() != before[1]  # applied, not yet published
+    head, view = channel.head(), channel.view()
+    assert (head.version, head.state_hash) == before == (view.version, view.state_hash)
+    replica.publish(record)
+    head, view = channel.head(), channel.view()
+    assert (head.version, head.state_hash) == (1, state.hash()) == (view.version, view.state_hash)

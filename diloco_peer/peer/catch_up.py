@@ -325,6 +325,11 @@ class CatchUp:
                 log.warning("[%s] state from %s has another hash", self._tag(), label)
                 self.replica.restore()
                 continue
+            if self.replica.state.version != choice.version:  # a head that named another state
+                log.warning("[%s] state from %s is version %d, not the head's %d", self._tag(),
+                            label, self.replica.state.version, choice.version)  # fmt: skip
+                self.replica.restore()
+                continue
             self.replica.record_state(choice.version, blob.data)
             return "download", donor, len(blob.data), False
         return None

@@ -156,7 +156,7 @@ class HeadChannel:
             # instead of waiting HEAD_TTL_S for its record to expire.
             **({"updated": 0.0} if leaving else {}),
             peer_id=self.me,
-            version=self._replica.version,
+            version=self._replica.published_version,
             state_hash=self._replica.published_hash,
             speed=speed,
             samples_per_s=speed * self._facts.batch_size,
@@ -270,8 +270,7 @@ class HeadChannel:
     def view(self) -> SwarmView:
         """The swarm as this peer sees it now (one DHT read)."""
         live, departed = self._merge(self._read_heads())
-        return SwarmView(self.me, self._replica.version, self._replica.published_hash, live,
-                         departed)  # fmt: skip
+        return SwarmView(self.me, *self._replica.at(), live, departed)
 
     def rejoiner(self, initial: Sequence[str], events: EventLog) -> Rejoiner:
         """A `Rejoiner` for this peer's DHT that knows the heads this channel read, and writes a

@@ -105,11 +105,17 @@ class Replica:
         return self.state.hash() if self.blob is None else self.blob.state_hash
 
     def at(self) -> tuple[int, str]:
-        """(version, published hash): where this replica is, as a round's group key names it."""
-        return self.state.version, self.published_hash
+        """(published version, published hash): where this replica is for every other peer (its
+        head, a round's group key, a swarm view), the snapshot the state server hands out.
+        Between a group's `prepare` and its `publish` the state is one version ahead of it: a
+        head that paired the state's version with the snapshot's hash named a state nobody
+        holds (seen: two peers' heartbeats said "v6 = v5's hash" during their commit, and a
+        third peer followed that "fork" back to v5 and contributed its δ twice)."""
+        return self.published_version, self.published_hash
 
     @property
     def published_version(self) -> int:
+        """The version this peer advertises: the snapshot's (the state's before the first one)."""
         return self.blob.version if self.blob is not None else self.state.version
 
     def load_parent(self) -> None:

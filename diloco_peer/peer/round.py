@@ -213,7 +213,7 @@ class Round:
         fork never average together: each would apply the average to another base), saying how
         many peers our round waits for (`expected`: two-stage averaging), and, if `announce`,
         say that we are looking for one."""
-        version, state_hash = self.replica.version, self.replica.published_hash
+        version, state_hash = self.replica.at()
         key = f"v{version}_{state_hash[:16]}"
         offer = self.guard.offer(
             self._sent(mine), key=key, version=version, state_hash=state_hash,
