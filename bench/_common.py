@@ -44,5 +44,15 @@ def publish(doc: dict[str, Any], json_path: Path | None, markdown: Path | None, 
 def exit_on_sigterm() -> None:
     """SIGTERM (a `kill`, a job's time limit) ends the bench as Ctrl-C does, through its `with`
     blocks: its peers run in sessions of their own and its netlab namespaces outlive it, so
-    without this a SIGTERM left both behind (seen 2026-12-06: 5 namespaces of bench/overlap.py)."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    without this a SIGTERM left both behind (seen 2026-12-06: 5 namespaces of bench/overlap.py).
+    Either signal says so on stderr first: stopping the peers takes up to their stop grace, and
+    a bench that went silent for it looked hung."""
+
+    def stop(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        print(f"{name}: stopping the bench's peers and removing its network lab (a few seconds)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        sys.exit(128 + signum)  # through the `with` blocks, without a traceback
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
