@@ -151,13 +151,14 @@ class HeadChannel:
     def head(self, in_group: bool = False, leaving: bool = False) -> records.PeerHead:
         speed = self._facts.speed() or 0.0
         eta, plan = self._activity.eta, self._activity.plan
+        version, state_hash = self._replica.at()
         head = records.PeerHead(
             # A departing peer's head says "seen at time 0": readers drop it as stale at once,
             # instead of waiting HEAD_TTL_S for its record to expire.
             **({"updated": 0.0} if leaving else {}),
             peer_id=self.me,
-            version=self._replica.published_version,
-            state_hash=self._replica.published_hash,
+            version=version,
+            state_hash=state_hash,
             speed=speed,
             samples_per_s=speed * self._facts.batch_size,
             loss=self._counters.last_loss,

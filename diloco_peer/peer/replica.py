@@ -110,8 +110,14 @@ class Replica:
         Between a group's `prepare` and its `publish` the state is one version ahead of it: a
         head that paired the state's version with the snapshot's hash named a state nobody
         holds (seen: two peers' heartbeats said "v6 = v5's hash" during their commit, and a
-        third peer followed that "fork" back to v5 and contributed its δ twice)."""
-        return self.published_version, self.published_hash
+        third peer followed that "fork" back to v5 and contributed its δ twice). One read of the
+        snapshot, which another thread may replace meanwhile (`snapshot`)."""
+        blob = self.blob
+        return (
+            (self.state.version, self.state.hash())
+            if blob is None
+            else (blob.version, blob.state_hash)
+        )
 
     @property
     def published_version(self) -> int:
