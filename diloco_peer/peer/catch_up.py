@@ -321,13 +321,11 @@ class CatchUp:
                 log.warning("[%s] state from %s rejected: %s", self._tag(), label, e)
                 self.replica.restore()
                 continue
-            if self.replica.state.hash() != choice.state_hash:
-                log.warning("[%s] state from %s has another hash", self._tag(), label)
-                self.replica.restore()
-                continue
-            if self.replica.state.version != choice.version:  # a head that named another state
-                log.warning("[%s] state from %s is version %d, not the head's %d", self._tag(),
-                            label, self.replica.state.version, choice.version)  # fmt: skip
+            got = (self.replica.state.version, self.replica.state.hash())
+            if got != (choice.version, choice.state_hash):  # another state than the head names
+                log.warning("[%s] state from %s is v%d %s, not the head's v%d %s", self._tag(),
+                            label, got[0], got[1][:8], choice.version,
+                            choice.state_hash[:8])  # fmt: skip
                 self.replica.restore()
                 continue
             self.replica.record_state(choice.version, blob.data)

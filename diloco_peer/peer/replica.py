@@ -102,7 +102,7 @@ class Replica:
     @property
     def published_hash(self) -> str:
         """The hash this peer advertises: the snapshot's (the state's before the first one)."""
-        return self.state.hash() if self.blob is None else self.blob.state_hash
+        return self.at()[1]
 
     def at(self) -> tuple[int, str]:
         """(published version, published hash): where this replica is for every other peer (its
