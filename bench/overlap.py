@@ -77,11 +77,22 @@ def steady_utilization(rounds: list[dict[str, Any]]) -> float | None:
     return (last["compute_s"] - first["compute_s"]) / wall if wall > 0 else None
 
 
-def one_run(a: argparse.Namespace, hosts: list[Host], protocol: str, overlap: bool,
+def mode_of(mode: str) -> tuple[bool, int]:
+    """(overlapped, fragments) of a --modes entry: `blocking`, `overlapped`, or either with
+    `+fN` (swarm.fragments N, ALGORITHMS §1.2; sync only)."""
+    base, _, fragments = mode.partition("+f")
+    if base not in ("blocking", "overlapped") or (fragments and not fragments.isdigit()):
+        raise ValueError(f"unknown mode {mode!r}: blocking or overlapped, maybe with +fN")
+    return base == "overlapped", int(fragments or 1)
+
+
+def one_run(a: argparse.Namespace, hosts: list[Host], protocol: str, mode: str,
             folder: Path, name: str) -> dict[str, Any]:  # fmt: skip
+    overlap, fragments = mode_of(mode)
     run_spec, settings = default_run(a.model, protocol)
     run_spec = dataclasses.replace(run_spec, inner_steps=a.inner_steps, compression="int8")
-    settings = dataclasses.replace(settings, expected_peers=a.peers, overlap=overlap)
+    settings = dataclasses.replace(settings, expected_peers=a.peers, overlap=overlap,
+                                   fragments=fragments)  # fmt: skip
     if overlap:  # the rule (ALGORITHMS §1.1): the swarm's defaults unless asked otherwise
         settings = dataclasses.replace(
             settings, overlap_fold=a.fold or settings.overlap_fold,
@@ -119,6 +130,8 @@ def one_run(a: argparse.Namespace, hosts: list[Host], protocol: str, overlap: bo
             "run_utilization": stop.get("compute_s", 0.0) / active if active else None,
             "round_over_phase": median(spans),
             "overlapped_rounds": sum(1 for e in rounds if e.get("overlapped")),
+            "round_bytes_max": max((e["bytes_sent"] for e in rounds), default=None),
+            "round_bytes_median": median([e["bytes_sent"] for e in rounds]),
             "final_hash": stop.get("state_hash"), "final_version": stop.get("version"),
             "ppl": stop.get("ppl"), "applied_steps": stop.get("applied_steps"),
             "first_train": stop.get("time", t0) - active if active else None,
@@ -126,7 +139,8 @@ def one_run(a: argparse.Namespace, hosts: list[Host], protocol: str, overlap: bo
     starts = [p["first_train"] for p in peers if p["first_train"]]
     ok = all(c == 0 for c in codes)
     return {
-        "protocol": protocol, "mode": "overlapped" if overlap else "blocking", "ok": ok,
+        "protocol": protocol, "mode": mode, "ok": ok,
+        "round_bytes_max": median([p["round_bytes_max"] for p in peers]),
         "wall_s": round(time.time() - t0, 1), "one_state": len({p["final_hash"] for p in peers}) == 1,
         "ppl": peers[0]["ppl"], "applied_steps": peers[0]["applied_steps"],
         "utilization_min": None if any(p["steady_utilization"] is None for p in peers)
@@ -149,7 +163,7 @@ def summarize(runs: list[dict[str, Any]], target_ppl: float | None) -> dict[str,
         mine = [r for r in runs if r["protocol"] == protocol and r["ok"]]
         target = target_ppl or max((r["ppl"] for r in mine if r["ppl"]), default=None)
         rows = {}
-        for mode in ("blocking", "overlapped"):
+        for mode in dict.fromkeys(r["mode"] for r in runs if r["protocol"] == protocol):
             m = [r for r in mine if r["mode"] == mode]
             for r in m:
                 r["reach_s"] = time_to(r, target) if target else None
@@ -164,7 +178,14 @@ def summarize(runs: list[dict[str, Any]], target_ppl: float | None) -> dict[str,
                 "round_over_phase": median([r["round_over_phase"] for r in m]),
                 "reach_s": [r["reach_s"] for r in m], "wall_s": [r["wall_s"] for r in m],
                 "one_state": all(r["one_state"] for r in m),
+                "round_bytes_max": median([r["round_bytes_max"] for r in m]),
             }  # fmt: skip
+        for mode, row in rows.items():  # each mode's final ppl against its whole model's
+            whole = rows.get(mode.partition("+f")[0], {}).get("ppl_median")
+            row["ppl_vs_whole"] = row["ppl_median"] / whole if row["ppl_median"] and whole else None
+        if "blocking" not in rows or "overlapped" not in rows:
+            out[protocol] = {"target_ppl": target, **rows}
+            continue
         b, o = rows["blocking"], rows["overlapped"]
         ratio = o["ppl_median"] / b["ppl_median"] if o["ppl_median"] and b["ppl_median"] else None
         out[protocol] = {
@@ -199,22 +220,30 @@ def render(doc: dict[str, Any]) -> str:
         "phase; *reach*: s from the first training step to the first evaluation at or below the "
         "target ppl.", "",
         "| protocol | mode | final ppl (each run) | util, lowest peer (each run) | util median / whole run "
-        "| round/phase | reach s (each run) | wall s (each run) | one state |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| round/phase | reach s (each run) | wall s (each run) | one state | round MB sent, most |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for protocol, s in doc["summary"].items():
-        for mode in ("blocking", "overlapped"):
+        for mode in [m for m in s if isinstance(s[m], dict) and "runs" in s[m]]:
             r = s[mode]
+            most = r.get("round_bytes_max")
             lines.append(
                 f"| {protocol} | {mode} | {', '.join(_f(p) for p in r['ppl'])}"
                 f"{'; did not finish: ' + str(r['failed']) if r.get('failed') else ''} | "
                 f"{', '.join(_f(u) for u in r['utilization_min'])} | "
                 f"{_f(r['utilization_median'])} / {_f(r['run_utilization_median'])} | "
                 f"{_f(r['round_over_phase'], 2)} | {', '.join(_f(t, 0) for t in r['reach_s'])} | "
-                f"{', '.join(_f(t, 0) for t in r['wall_s'])} | {r['one_state']} |"
+                f"{', '.join(_f(t, 0) for t in r['wall_s'])} | {r['one_state']} | "
+                f"{_f(None if most is None else most / 1e6, 2)} |"
             )
     lines.append("")
     for protocol, s in doc["summary"].items():
+        fragmented = [(m, r["ppl_vs_whole"]) for m, r in s.items() if "+f" in m]
+        if fragmented:
+            lines.append(f"- {protocol}: final ppl against the whole model's (medians): "
+                         + ", ".join(f"{m} {_f(v, 4)}" for m, v in fragmented) + ".")  # fmt: skip
+        if "checks" not in s:
+            continue
         c = s["checks"]
         lines.append(
             f"- {protocol}: target ppl {_f(s['target_ppl'])}; overlapped/blocking final ppl "
@@ -236,7 +265,8 @@ def main() -> int:
     p.add_argument("--mbit", type=float, default=10.0)
     p.add_argument("--peers", type=int, default=PEERS, help="peers, one per netlab host")
     p.add_argument("--protocols", default="sync,async")
-    p.add_argument("--modes", default="blocking,overlapped", help="which of the two to run")
+    p.add_argument("--modes", default="blocking,overlapped",
+                   help="blocking, overlapped, or either with +fN: N fragments (sync)")  # fmt: skip
     p.add_argument(
         "--fold",
         choices=("rebase", "mix", "pull"),
@@ -256,6 +286,11 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     a = p.parse_args()
+    for mode in a.modes.split(","):  # bad input fails before the lab is built
+        try:
+            mode_of(mode)
+        except ValueError as e:
+            p.error(str(e))
     from diloco_peer.peer.model import build_model, count_parameters
 
     folder = Path(time.strftime("/tmp/overlap-bench-%Y%m%d-%H%M%S"))
@@ -264,10 +299,11 @@ def main() -> int:
         hosts = [lab.add_host(up_mbit=a.mbit, down_mbit=a.mbit) for _ in range(a.peers)]
         for rep in range(a.repeats):
             for protocol in a.protocols.split(","):
-                for overlap in [m == "overlapped" for m in a.modes.split(",")]:
-                    name = f"{protocol}-{'ov' if overlap else 'bl'}-{rep}"
+                for mode in a.modes.split(","):
+                    short = mode.replace("overlapped", "ov").replace("blocking", "bl")
+                    name = f"{protocol}-{short.replace('+', '')}-{rep}"
                     say(f"{name}: starting")
-                    run = one_run(a, hosts, protocol, overlap, folder / name, name.replace("-", ""))
+                    run = one_run(a, hosts, protocol, mode, folder / name, name.replace("-", ""))
                     run["repeat"] = rep
                     runs.append(run)
                     say(f"{name}: ok={run['ok']} ppl {_f(run['ppl'])} util min "

@@ -18,6 +18,7 @@ from diloco_peer.config_checks import (
     checked_fields,
     choice,
     finite,
+    fragments_fit,
     is_finite,
     non_negative,
     positive,
@@ -326,6 +327,9 @@ class SwarmSettings:
     """When an overlapped phase starts: at the hand-off (`phase`) or once the round's group is
     formed and its all-reduce starts (`group`: the wait for slower peers is not trained
     through, only the all-reduce and the outer step)."""
+    fragments: int = 1
+    """Streaming DiLoCo's fragments (docs/algorithms.md §1.3): the update at version v moves
+    fragment v mod `fragments` alone, after H / `fragments` steps (sync; 1: the whole model)."""
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -354,6 +358,7 @@ class SwarmSettings:
         choice("overlap start", self.overlap_from, get_args(OverlapFrom))
         if not (is_finite(self.overlap_keep) and 0 <= self.overlap_keep <= 1):
             raise ConfigError(f"overlap_keep must be in [0, 1], got {self.overlap_keep}")
+        fragments_fit(self.fragments, self.protocol, self.overlap, self.overlap_fold)
         if self.protocol == "async" and self.grace_s <= 0:
             raise ConfigError("async mode needs grace_s > 0: peers finishing together must meet")
 

@@ -70,3 +70,17 @@ def finite(name: str, value: float, minimum: float, strict: bool) -> None:
         raise ConfigError(
             f"{name} must be a finite number {'>' if strict else '>='} {minimum}, got {value}"
         )
+
+
+def fragments_fit(fragments: int, protocol: str, overlap: bool, fold: str) -> None:
+    """`SwarmSettings.fragments` (docs/algorithms.md §1.3): at least 1; more only in a sync
+    swarm (an async one has no schedule that ties a version to a fragment) and, overlapped,
+    with the `rebase` fold (the others correct the δ of the whole model)."""
+    if fragments < 1:
+        raise ConfigError(f"fragments must be >= 1, got {fragments}")
+    if fragments > 1 and protocol != "sync":
+        raise ConfigError("fragments > 1 needs the sync protocol: an async round has no "
+                          "schedule that ties a version to a fragment")  # fmt: skip
+    if fragments > 1 and overlap and fold != "rebase":
+        raise ConfigError("fragments > 1 with overlap needs overlap_fold 'rebase': the "
+                          "fragment's progress folds in as the whole model's does")  # fmt: skip

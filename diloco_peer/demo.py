@@ -28,7 +28,7 @@ from diloco_peer.config import (
     Protocol,
     default_run,
 )
-from diloco_peer.coordinator_free.manifest import dump_run_config
+from diloco_peer.coordinator_free.manifest import check_fragments, dump_run_config
 from diloco_peer.errors import ConfigError, LocalPeerFailed
 from diloco_peer.local_swarm import LocalSwarm
 from diloco_peer.peer.events import read_events
@@ -66,6 +66,8 @@ class DemoSpec:
     """Also append every peer's events here."""
     overlap: bool = False
     """Overlapped rounds (the manifest's swarm.overlap, ALGORITHMS §1.1)."""
+    fragments: int = 1
+    """Sync: the model averaged in this many parts, one per round (swarm.fragments, §1.2)."""
 
     def __post_init__(self) -> None:
         if self.peers < 1 or self.rounds < 1:
@@ -142,9 +144,11 @@ class Demo:
             settings,
             expected_peers=spec.peers,
             overlap=spec.overlap,
+            fragments=spec.fragments,
             sync_timeout_s=settings.sync_timeout_s * max(self.throttles),
         )
         run_spec = dataclasses.replace(run_spec, inner_steps=spec.inner_steps)
+        check_fragments(run_spec, settings)
         self.started = time.time()
         self.workdir = Path(tempfile.mkdtemp(prefix="diloco-demo-"))
         self.config = self.workdir / "run.toml"
@@ -227,6 +231,7 @@ class Demo:
             "ppl_after": ppl_after,
             "protocol": self.spec.protocol,
             "overlap": self.spec.overlap,
+            "fragments": self.spec.fragments,
             "heterogeneity": self.spec.heterogeneity,
             "applied_steps": max((r.applied_steps or 0 for r in rows), default=0),
             "shard_samples": next(

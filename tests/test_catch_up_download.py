@@ -22,7 +22,7 @@ TOP = 5
 
 
 class FakeState:
-    """What catch-up reads of the replicated state: version, hash, theta."""
+    """What catch-up reads of the replicated state: version, hash, theta, an update's shapes."""
 
     def __init__(self) -> None:
         self.version, self._hash = 1, "0" * 64
@@ -30,6 +30,9 @@ class FakeState:
 
     def hash(self) -> str:
         return self._hash
+
+    def update_shapes(self, version: int | None = None) -> list[tuple[int, ...]]:
+        return [tuple(t.shape) for t in self.theta]
 
 
 class FakeReplica:
@@ -62,6 +65,10 @@ class FakeReplica:
 
     def record_state(self, version: int, data: bytes) -> None:
         pass
+
+    def replay_bytes(self) -> int:
+        """What one replayed update downloads (θ's fp32 bytes; one fragment)."""
+        return 4 * sum(t.numel() for t in self.state.theta)
 
 
 class FakeDownloads:

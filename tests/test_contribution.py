@@ -24,7 +24,6 @@ from diloco_peer.averaging.contribution import (
     group_weights,
     new_nonce,
     norm_outliers,
-    samples_bound,
     screen_group,
     shapes_digest,
 )
@@ -215,8 +214,10 @@ def test_weights_come_from_the_signed_headers_and_samples_are_capped() -> None:
 
 def test_samples_must_add_up_and_fit_what_one_delta_can_hold() -> None:
     """Shard counters of 1e15 (issue 16): a header's samples are the sum of its shards and at
-    most `samples_bound` (batch x H x phases x staleness); either lie is signed: a ban."""
-    bound = samples_bound(RunSpec(batch_size=8, inner_steps=50), SwarmSettings(staleness_limit=2))
+    most `Limits.max_samples` (batch x H x phases x staleness); either lie is signed: a ban."""
+    bound = Limits.of(
+        RunSpec(batch_size=8, inner_steps=50), SwarmSettings(staleness_limit=2)
+    ).max_samples
     assert bound == 8 * 50 * SAMPLES_BOUND_PHASES * 3
     rnd = dataclasses.replace(ROUND, limits=Limits(max_samples=bound))
     honest = [header(k) for k in KEYS[:2]]

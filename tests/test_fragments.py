@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+from diloco_peer.averaging.fragments import fragment_of
 from diloco_peer.config import RunSpec, SimSpec
 from diloco_peer.errors import ConfigError
 from diloco_peer.peer.model import build_model
-from diloco_peer.sim.fragments import FragmentedSync, check_fragments, fragment_of, sub_phases
+from diloco_peer.sim.fragments import FragmentedSync, check_fragments, sub_phases
 from diloco_peer.sim.simulator import Simulator
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -119,6 +119,7 @@ def test_mix_reports_the_phases_progress_without_what_the_merge_leaves_in_the_de
 class _Replica:
     def __init__(self, damping: list[torch.Tensor] | None) -> None:
         self.damping = damping
+        self.state = SimpleNamespace(part=lambda: [0])  # one tensor, the whole model
 
     def last_damping(self) -> list[torch.Tensor] | None:
         return self.damping

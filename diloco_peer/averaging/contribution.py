@@ -281,25 +281,24 @@ class Limits:
     max_samples: int = 0
     max_steps: int = 0
     inner_lr: float = 0.0
+    carried_steps: int = 0
+    """Fragments (§1.2): a δ also holds its fragment's progress of the sub-phases since its last
+    sync (at most H steps, declared by earlier rounds), which its norm bound counts."""
 
     @classmethod
     def of(cls, run: RunSpec, swarm: SwarmSettings) -> Limits:
         phases = SAMPLES_BOUND_PHASES * (swarm.staleness_limit + 1)
         steps = run.inner_steps * phases
-        return cls(steps * run.batch_size, steps, run.inner_lr)
+        return cls(steps * run.batch_size, steps, run.inner_lr,
+                   run.inner_steps if swarm.fragments > 1 else 0)  # fmt: skip
 
     def max_norm(self, steps: int, numel: int) -> float:
-        """The longest δ `steps` AdamW steps can make over `numel` values: no history needed,
-        so it holds from the first version on (issue 16: a lone δ x 1000, honestly declared,
-        was replayed by every honest peer at version 1)."""
+        """The longest δ `steps` (+ `carried_steps`) AdamW steps make over `numel` values: no
+        history needed, so it holds from version 1 (issue 16: a lone δ x 1000, honestly
+        declared, was replayed by every honest peer at version 1)."""
         if not self.inner_lr:
             return math.inf
-        return ADAM_STEP_MAX * self.inner_lr * steps * math.sqrt(numel)
-
-
-def samples_bound(run: RunSpec, swarm: SwarmSettings) -> int:
-    """The most samples an honest δ can declare (batch x H x phases x staleness)."""
-    return Limits.of(run, swarm).max_samples
+        return ADAM_STEP_MAX * self.inner_lr * (steps + self.carried_steps) * math.sqrt(numel)
 
 
 def claim_lie(header: ContributionHeader, limits: Limits) -> str | None:

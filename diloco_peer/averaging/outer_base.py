@@ -151,6 +151,32 @@ class OuterOptimizer(ABC):
         self._step += 1
 
     @torch.no_grad()
+    def step_part(
+        self,
+        params: Sequence[Tensor],
+        part: Sequence[int],
+        pseudo_grad_sum: Sequence[Tensor],
+        count: int,
+    ) -> None:
+        """`step` on the parameters `part` indexes (a fragment, ALGORITHMS §1.2) and on their
+        buffers alone; `pseudo_grad_sum` holds one tensor per index of `part`. The other
+        parameters and their buffers are left as they are (the step counter still counts)."""
+        params = list(params)
+        if (
+            not part
+            or sorted(set(part)) != list(part)
+            or not 0 <= part[0] <= part[-1] < len(params)
+        ):
+            raise ConfigError(f"a part indexes its parameters in order, got {list(part)}")
+        self._prepare_state(params)
+        whole = self._state
+        self._state = {buf: [tensors[i] for i in part] for buf, tensors in whole.items()}
+        try:
+            self.step([params[i] for i in part], pseudo_grad_sum, count)
+        finally:
+            self._state = whole
+
+    @torch.no_grad()
     def preview(
         self, params: Sequence[Tensor], pseudo_grad_sum: Sequence[Tensor], count: int
     ) -> list[Tensor]:

@@ -39,8 +39,14 @@ class ReplicatedState:
         num_shards: int,
         manifest_digest: str,
         version: int = 0,
+        parts: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.theta = [t.detach().to("cpu", torch.float32).clone() for t in theta]
+        self.parts = [list(p) for p in parts] if parts else [list(range(len(self.theta)))]
+        """The fragments (ALGORITHMS §1.2, `averaging.fragments.fragment_parts`): the update
+        at version v moves part v mod len(parts) alone; one part, the whole model, by default."""
+        if sorted(i for p in self.parts for i in p) != list(range(len(self.theta))):
+            raise ConfigError("the fragments must hold every parameter once")
         self.outer = outer
         self.shard_samples = [0] * num_shards
         self.manifest_digest = manifest_digest
@@ -52,17 +58,30 @@ class ReplicatedState:
         count: int,
         shard_samples: dict[int, int] | None = None,
     ) -> None:
-        """One outer step with a group's average of `count` contributions: version v -> v+1."""
+        """One outer step with a group's average of `count` contributions: version v -> v+1.
+        With fragments, `average` holds the tensors of part v mod P (`part`) and only they,
+        and their outer optimizer's buffers, move."""
         if count < 1:
             raise ConfigError(f"a group has at least one member, got count={count}")
         total = [a.to("cpu", torch.float32) * count for a in average]
         with torch.no_grad():
-            self.outer.step(self.theta, total, count)
+            if len(self.parts) == 1:
+                self.outer.step(self.theta, total, count)
+            else:
+                self.outer.step_part(self.theta, self.part(), total, count)
         for shard, samples in (shard_samples or {}).items():
             if not 0 <= shard < len(self.shard_samples) or samples < 0:
                 raise ConfigError(f"bad shard update {shard}: {samples}")
             self.shard_samples[shard] += samples
         self.version += 1
+
+    def part(self, version: int | None = None) -> list[int]:
+        """The parameter indices the update at `version` (ours by default) moves."""
+        return self.parts[(self.version if version is None else version) % len(self.parts)]
+
+    def update_shapes(self, version: int | None = None) -> list[tuple[int, ...]]:
+        """The shapes of the average the update at `version` (ours by default) carries."""
+        return [tuple(self.theta[i].shape) for i in self.part(version)]
 
     def hash(self) -> str:
         """SHA-256 of everything replicated, in a fixed order."""

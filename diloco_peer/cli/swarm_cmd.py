@@ -43,6 +43,7 @@ def join(
         None, help="Founding only: peers the run expects (first round waits for them)."
     ),
     overlap: bool = typer.Option(False, "--overlap", help="Founding only: overlapped rounds."),
+    fragments: int | None = typer.Option(None, help="Founding only, sync: P model parts."),
     host: str = typer.Option("0.0.0.0", help="Interface to listen on."),
     port: int = typer.Option(0, help="TCP port (0 = any free)."),
     announce: list[str] = typer.Option([], help="Multiaddr others should dial (repeatable)."),
@@ -58,9 +59,7 @@ def join(
     ),
     checkpoint_dir: Path | None = typer.Option(None, help="Save and resume checkpoints here."),
     max_rounds: int = typer.Option(0, help="Stop after this many rounds (0 = run until stopped)."),
-    until_version: int = typer.Option(
-        0, help="Stop once the swarm reaches this version (0 = never)."
-    ),
+    until_version: int = typer.Option(0, help="Stop once the swarm reaches this version."),
     until_steps: int = typer.Option(
         0, help="Stop once the swarm state holds this many local steps, all peers (0 = never)."
     ),
@@ -105,7 +104,8 @@ def join(
         tensorboard=_text(tensorboard), client_mode=client_mode,
         gpu_memory_fraction=gpu_memory_fraction, allowlist=_text(allowlist), owner=owner,
     )  # fmt: skip
-    founding = _founding(spec, config, model, inner_steps, protocol, (expected_peers, overlap))
+    flags = (expected_peers, overlap, fragments)
+    founding = _founding(spec, config, model, inner_steps, protocol, flags)
     _train(spec, founding, (fault, chaos), quiet)
 
 
@@ -128,22 +128,23 @@ def _founding(
     model: str | None,
     inner_steps: int | None,
     protocol: str | None,
-    peers_overlap: tuple[int | None, bool],
+    flags: tuple[int | None, bool, int | None],
 ) -> tuple[RunSpec, SwarmSettings] | None:
     """The run a founding peer publishes (built-in, or --config) with the founding flags
-    applied (`peers_overlap`: --expected-peers, --overlap); None when joining, where those
-    flags are refused."""
-    expected_peers, overlap = peers_overlap
+    applied (`flags`: --expected-peers, --overlap, --fragments); None when joining, where
+    those flags are refused."""
+    expected_peers, overlap, fragments = flags
     from diloco_peer.config import default_run
-    from diloco_peer.coordinator_free.manifest import load_run_config
+    from diloco_peer.coordinator_free.manifest import check_fragments, load_run_config
 
     if not spec.swarm and spec.client_mode:
         raise BadInput("--client-mode needs --swarm: the founder must accept connections")
     if spec.swarm:
-        if model or inner_steps or config or protocol or expected_peers is not None or overlap:
+        if (model or inner_steps or config or protocol or expected_peers is not None or overlap
+                or fragments is not None):  # fmt: skip
             raise BadInput(
-                "--config, --model, --inner-steps, --protocol, --expected-peers and --overlap "
-                "only apply when founding a swarm"
+                "--config, --model, --inner-steps, --protocol, --expected-peers, --overlap and "
+                "--fragments only apply when founding a swarm"
             )
         return None
     if protocol not in (None, "sync", "async"):
@@ -160,6 +161,9 @@ def _founding(
         settings = dataclasses.replace(settings, expected_peers=expected_peers)
     if overlap:
         settings = dataclasses.replace(settings, overlap=True)
+    if fragments is not None:
+        settings = dataclasses.replace(settings, fragments=fragments)
+    check_fragments(run_spec, settings)
     if (settings.protocol == "async" and run_spec.outer_optimizer == "delayed-nesterov"
             and not run_spec.dn_buffer_size and not settings.expected_peers):  # fmt: skip
         # N = 1 applies each group member's share as its own Nesterov step: naive async,
@@ -235,6 +239,9 @@ def demo(
     timeout_s: float = typer.Option(1800.0, help="Give up (and stop every peer) after this long."),
     log_json: Path | None = typer.Option(None, help="Also write every peer's events here."),
     overlap: bool = typer.Option(False, "--overlap", help="Train through each round's averaging."),
+    fragments: int = typer.Option(
+        1, help="Sync: average the model in this many parts, one a round."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON summary on stdout."),
 ) -> None:
     """A local swarm of real peer processes training the built-in run, with a summary."""
@@ -244,7 +251,7 @@ def demo(
     spec = DemoSpec(
         peers=peers, rounds=rounds, total_steps=total_steps, model=model, inner_steps=inner_steps,
         protocol=protocol, heterogeneity=heterogeneity, timeout_s=timeout_s, log_json=log_json,
-        overlap=overlap,
+        overlap=overlap, fragments=fragments,
     )  # fmt: skip
     _stop_on_sigterm()
     with Demo(spec) as run:

@@ -57,6 +57,24 @@ def check_run_name(name: object) -> str:
     return name
 
 
+FRAGMENT_OPTIMIZERS = ("sgd", "sgdm", "nesterov")
+"""Outer optimizers a fragment can step alone: their state is per parameter, no counter."""
+
+
+def check_fragments(run: RunSpec, swarm: SwarmSettings) -> None:
+    """ConfigError unless the swarm's fragments fit the run: an outer optimizer whose
+    state is per parameter (Adam's bias correction and Delayed Nesterov's buffer count steps
+    of the whole model), and a phase of at least one step (H / fragments)."""
+    if swarm.fragments == 1:
+        return
+    if run.outer_optimizer not in FRAGMENT_OPTIMIZERS:
+        raise ConfigError(f"swarm fragments {swarm.fragments} needs the outer optimizer "
+                            f"{', '.join(FRAGMENT_OPTIMIZERS)}, not {run.outer_optimizer}")  # fmt: skip
+    if swarm.fragments > run.inner_steps:
+        raise ConfigError(f"swarm fragments {swarm.fragments} is more than H "
+                            f"(inner_steps {run.inner_steps})")  # fmt: skip
+
+
 def load_run_config(path: str | Path) -> tuple[RunSpec, SwarmSettings]:
     """Read a TOML run config with optional tables `[run]` (RunSpec) and `[swarm]`."""
     path = Path(path)
@@ -80,6 +98,7 @@ def load_run_config(path: str | Path) -> tuple[RunSpec, SwarmSettings]:
     try:
         run = RunSpec.from_dict(doc.get("run", {}))
         swarm = SwarmSettings.from_dict(doc.get("swarm", {}))
+        check_fragments(run, swarm)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     return run, swarm
@@ -167,6 +186,10 @@ class Manifest:
             # parts lack it where they were pruned, and a flipped δ then passed the screen
             raise ManifestError("swarm overlap_fold 'mix' needs run prune_fraction 0: the "
                                 "cosine screen cannot take the shared term out of pruned δs")  # fmt: skip
+        try:
+            check_fragments(self.run, self.swarm)
+        except ConfigError as e:
+            raise ManifestError(f"manifest: {e}") from None
         try:
             peer_id_from_public_key(self.owner_public_key)
         except IdentityError as e:

@@ -4,7 +4,7 @@ The replicated state is a log: version v+1 is the outer step applied to version 
 version's group average and member count. A peer behind by at most L versions fetches the missed
 updates one by one from a peer that still holds them and replays them:
 
-    record = UpdateRecord.from_bytes(blob, shapes=[tuple(t.shape) for t in state.theta])
+    record = UpdateRecord.from_bytes(blob, shapes=state.update_shapes())
     if record.base_version != state.version or record.base_hash != state.hash(): ...  # not mine
     state.apply(list(record.average), record.count, record.shard_samples)
     if state.hash() != record.result_hash: ...  # a bad record: fall back to a full download

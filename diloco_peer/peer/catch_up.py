@@ -212,10 +212,9 @@ class CatchUp:
     def replay_window(self) -> int:
         """Versions ahead a replay reaches (our log's capacity, and while the missed updates
         cost less than the state): `SwarmView.choose_head` follows one key's head that far."""
-        model_bytes = 4 * sum(t.numel() for t in self.replica.state.theta)
         blob = self.replica.blob
         full_bytes = len(blob.data) if blob is not None else 0
-        return min(self.keep_updates, replay_horizon(model_bytes, full_bytes))
+        return min(self.keep_updates, replay_horizon(self.replica.replay_bytes(), full_bytes))
 
     def _replay(self, donor: str, top: int, want: str) -> tuple[Replay, int]:
         """Replay updates from our version up to `top` from `donor`'s log, with the bytes it
@@ -258,13 +257,12 @@ class CatchUp:
         `top`; (the records, bytes). None for the records if `fork_ends` and the first update
         starts from another state than our published one (a fork at our version)."""
         replica = self.replica
-        shapes = [tuple(t.shape) for t in replica.state.theta]
         replayed: list[UpdateRecord] = []
         nbytes = 0
         for base in range(replica.version, top):
             data = self.downloads.update(donor, base)
             nbytes += len(data)
-            record = UpdateRecord.from_bytes(data, shapes=shapes)
+            record = UpdateRecord.from_bytes(data, shapes=replica.state.update_shapes(base))
             if record.base_version != base:
                 raise ValueError(f"asked for version {base}, got {record.base_version}")
             if record.base_hash != replica.state.hash():
@@ -285,7 +283,7 @@ class CatchUp:
         donors (the update they applied to their `version` starts from another hash than ours),
         with the bytes that took. False when no donor tells (its log no longer holds that
         update, or it failed): a δ is never contributed twice on a guess."""
-        shapes = [tuple(t.shape) for t in self.replica.state.theta]
+        shapes = self.replica.state.update_shapes(version)
         nbytes = 0
         for donor in donors[:REPLAY_DONORS]:
             try:
@@ -340,7 +338,7 @@ class CatchUp:
         own as `Replica.parent`), and the update replayed on it: a record more than the state
         alone. None (the replica unchanged) when no donor has both."""
         base, record, nbytes = choice.version - 1, None, 0
-        shapes = [tuple(t.shape) for t in self.replica.state.theta]
+        shapes = self.replica.state.update_shapes(base)
         for donor in donors[:REPLAY_DONORS]:
             try:
                 data = self.downloads.update(donor, base)

@@ -44,23 +44,46 @@ class Contribution:
 
 class Ledger:
     """This peer's own δs not yet settled: the pending one (from a failed group, a pause or a
-    checkpoint), and the one it applied last, which goes into a later group again if the branch
-    it produced loses a fork (DESIGN §3)."""
+    checkpoint; with fragments, also the progress the last round did not sync), and the one it
+    applied last, which goes into a later group again if the branch it produced loses a fork
+    (DESIGN §3)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fragmented: bool = False) -> None:
         self.pending: Contribution | None = None
         self.last_own: tuple[int, Contribution] | None = None
         """(the version it produced, the δ)."""
+        self.fragmented = fragmented
+        """Fragments (docs/algorithms.md §1.3): a round sends one fragment of the δ (`send`),
+        and the next phase trains from θ − pending (`carried`), so `take` does not add the
+        pending tensors again."""
 
     def add(self, contribution: Contribution) -> None:
         self.pending = contribution if self.pending is None else self.pending.merge(contribution)
 
     def take(self, fresh: Contribution) -> Contribution:
-        """`fresh` with whatever was pending merged in; nothing is pending afterwards."""
+        """`fresh` with whatever was pending merged in; nothing is pending afterwards. With
+        fragments `fresh` was trained from θ − `carried()`: its δ holds the pending one, whose
+        samples and steps (not yet applied) join it."""
         if self.pending is None:
             return fresh
-        merged, self.pending = self.pending.merge(fresh), None
-        return merged
+        pending, self.pending = self.pending, None
+        merged = pending.merge(fresh)
+        if not self.fragmented:
+            return merged
+        return Contribution(fresh.delta, fresh.base_version, merged.shard_samples, merged.steps)
+
+    def carried(self) -> list[torch.Tensor] | None:
+        """Fragments: the pending δ, which the next phase starts from θ − it; else None."""
+        return self.pending.delta if self.fragmented and self.pending is not None else None
+
+    def send(self, mine: Contribution, part: list[int]) -> Contribution:
+        """What a round sends of `mine`: with fragments, the fragment `part` indexes, the rest
+        waiting here for a later phase to train on (`split`); else all of it."""
+        if not self.fragmented:
+            return mine
+        sent, rest = split(mine, part)
+        self.add(rest)
+        return sent
 
     def owns(self, version: int) -> bool:
         """Our own δ produced `version` (and would go into a later group if it lost a fork)."""
@@ -74,3 +97,15 @@ class Ledger:
         self.last_own = None
         self.add(own)
         return True
+
+
+def split(mine: Contribution, part: list[int]) -> tuple[Contribution, Contribution]:
+    """Fragments: (the δ of the fragment `part` indexes, with the phase's samples and steps, for
+    the round; the other fragments' progress, which the next phase trains on from θ − it)."""
+    inside = set(part)
+    kept = [torch.zeros_like(d) if i in inside else d for i, d in enumerate(mine.delta)]
+    sent = [d if i in inside else torch.zeros_like(d) for i, d in enumerate(mine.delta)]
+    return (
+        Contribution(sent, mine.base_version, mine.shard_samples, mine.steps),
+        Contribution(kept, mine.base_version, {}, 0),
+    )

@@ -53,8 +53,9 @@ class Overlap:
         swarm: SwarmSettings,
         activity: Activity,
         counters: Counters,
+        carried: Callable[[], list[torch.Tensor] | None] = lambda: None,
     ) -> None:
-        self.trainer, self._theta = trainer, theta
+        self.trainer, self._theta, self._carried = trainer, theta, carried
         self._activity, self._counters = activity, counters
         self.fold_rule, self.keep = swarm.overlap_fold, swarm.overlap_keep
         self.start_from = swarm.overlap_from
@@ -190,3 +191,6 @@ class Overlap:
                 a - t.to(torch.float32) + b.to("cpu", torch.float32) - f
                 for a, t, b, f in zip(self.trainer.snapshot(), theta, base, before, strict=True)
             ]
+        pending = self._carried()
+        if pending is not None:  # fragments: the progress the round left unsynced trains on
+            self.trainer.rebase(torch._foreach_sub(theta, pending), theta, 1.0)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from hivemind.utils import get_dht_time
 
+from diloco_peer.averaging.fragments import fragment_parts
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import DEFAULT_SHARDS, PeerSpec, RunSpec, SwarmSettings
@@ -147,8 +148,9 @@ def build_training(
         **({"buffer_size": run.dn_buffer_size or swarm.expected_peers or 1, "c": run.dn_c}
            if run.outer_optimizer == "delayed-nesterov" else {}),
     )  # fmt: skip
+    names = [n for n, _ in init.named_parameters()]
     state = ReplicatedState([p.detach() for p in init.parameters()], outer, num_shards,
-                            manifest_digest)  # fmt: skip
+                            manifest_digest, parts=fragment_parts(names, swarm.fragments))  # fmt: skip
     schedule = Schedule.for_shard(run)
     return Training(data, device, trainer, shards, streams, schedule, state, init)
 
@@ -206,11 +208,12 @@ class Phase:
         activity: Activity,
         counters: Counters,
         controls: Controls,
+        carried: Callable[[], list[torch.Tensor] | None] = lambda: None,
     ) -> None:
         self.t, self.run, self.swarm, self.me = training, run, swarm, me
         self.pinned_shard, self.throttle = pinned_shard, throttle
         self._in_flight, self.activity, self.counters = in_flight, activity, counters
-        self.controls = controls
+        self.controls, self._carried = controls, carried
         self._last_step_t = 0.0
         self._eta_checked = 0.0  # perf_counter of the last _refresh_eta check
         self._compute_mark = 0.0  # perf_counter up to which compute_s counts this phase
@@ -234,18 +237,19 @@ class Phase:
         return dylu_steps(speeds, self.run.inner_steps) if speeds else {}
 
     def plan_steps(self, view: SwarmView) -> int:
-        """H in sync mode; in async mode DyLU over the speeds live peers publish, or a short
-        probe phase (at most 3 steps) until this peer has measured its own speed, so a slow
-        device learns it is slow before it holds the others up."""
-        return phase_steps(
+        """H in sync mode (H / fragments: a round per fragment), else DyLU over the speeds live
+        peers publish, or a probe phase (at most 3 steps) until this peer has measured its own
+        speed, so a slow device learns it is slow before it holds the others up."""
+        steps = phase_steps(
             view, self.t.trainer.speed.steps_per_s, inner_steps=self.run.inner_steps,
             asynchronous=self.asynchronous,
         )  # fmt: skip
+        return steps if self.asynchronous else max(1, steps // self.swarm.fragments)
 
     def unseen_steps(self, view: SwarmView, co_planners: list[str]) -> int:
         """Steps others plan at the same moment (SwarmView.unseen_steps)."""
         return view.unseen_steps(
-            synchronous=not self.asynchronous, inner_steps=self.run.inner_steps,
+            synchronous=not self.asynchronous, inner_steps=self.run.inner_steps // self.swarm.fragments,
             co_planners=co_planners, steps_of=self.steps_of(view) if self.asynchronous else {},
             probe_steps=self.probe_steps(),
         )  # fmt: skip
@@ -278,8 +282,9 @@ class Phase:
         """One local phase of `steps` steps from the state's θ (one segment per shard, each at
         its shard's own lr step, Eq. 3); async may extend it. With a round in flight
         (`overlap`), from the local parameters, folding the round's θ_global in at the first
-        step boundary after it ends (peer/overlap.py). Returns the contribution and the mean
-        loss. Raises PhasePaused or StopRequested."""
+        step boundary after it ends (peer/overlap.py); else from θ − `carried()` (fragments'
+        progress not yet synced, `Ledger.carried`). Returns the contribution and the mean loss.
+        Raises PhasePaused or StopRequested."""
         if overlap is not None:  # `overlap_from = "group"`: the round's group is formed first
             overlap.await_group()
         plan = self.plan_shards(steps, others)
@@ -294,7 +299,8 @@ class Phase:
         self._compute_mark = time.perf_counter()
         loss_sum = 0.0
         if overlap is None or not overlap.begin_phase():
-            self.t.trainer.load_params(self.t.state.theta)
+            pending, theta = self._carried(), self.t.state.theta
+            self.t.trainer.load_params(torch._foreach_sub(theta, pending) if pending else theta)
         try:
             for shard, count in enumerate(plan):
                 if count == 0:

@@ -52,13 +52,15 @@ class Replica:
         self._jumped = False
         """Whether a state other than the snapshot's was loaded whole (a download, the parent)
         since the last snapshot: the next version is then not known to be stepped from it."""
-        self._norms: deque[float] = deque(maxlen=RECENT_NORMS)
+        self._norms = [deque[float](maxlen=RECENT_NORMS) for _ in state.parts]
+        """Per fragment (one list for the whole model): norms of its last updates."""
         self._damping: tuple[tuple[str, str], list[torch.Tensor]] | None = None
         """`last_damping` of the step between these (parent, blob) hashes."""
 
     def recent_norms(self) -> list[float]:
-        """Norms of the last updates applied here (a replayed one is screened against them)."""
-        return list(self._norms)
+        """Norms of the last updates applied here to the fragment the next update moves (a
+        replayed one is screened against them; fragments differ in size)."""
+        return list(self._norms[self.state.version % len(self._norms)])
 
     # ----- the published snapshot
 
@@ -76,11 +78,16 @@ class Replica:
         elif self.blob is None or blob.version != self.blob.version:
             self.parent = None  # a jump: we never held the version below this one
         self.blob = blob
-        self.updates.fit(self.update_bytes(), len(data))
+        self.updates.fit(self.replay_bytes(), len(data))
 
     def update_bytes(self) -> int:
-        """θ's size in fp32: what one replayed update downloads (its tensors)."""
+        """θ's size in fp32: what one update of the whole model holds (its tensors)."""
         return 4 * sum(t.numel() for t in self.state.theta)
+
+    def replay_bytes(self) -> int:
+        """What one replayed update downloads, on average: θ's size over the fragments (each
+        update carries one), so that replay reaches P times as far with P fragments."""
+        return -(-self.update_bytes() // len(self.state.parts))
 
     def max_blob_bytes(self) -> int:
         """The most bytes any serialised state of this run takes: θ and each outer buffer in
@@ -235,7 +242,7 @@ class Replica:
         """Keep an applied update for others to replay (and on disk with --record-updates)."""
         self.updates.append(record)
         squares = sum(float(a.double().square().sum()) for a in record.average)
-        self._norms.append(math.sqrt(squares))
+        self._norms[record.base_version % len(self._norms)].append(math.sqrt(squares))
         if self.record_dir is not None:
             path = self.record_dir / f"update-{record.base_version:08d}.safetensors"
             data = self.updates.get(record.base_version) or record.to_bytes()

@@ -231,9 +231,8 @@ class Round:
         """`mine`'s δ as offered at our version: plus its `common_term` (the ledger keeps
         `mine` without it: a δ kept goes to a later version, with that version's term)."""
         term = common_term(self.swarm, self.replica)
-        return (
-            mine.delta if term is None else [d + t for d, t in zip(mine.delta, term, strict=True)]
-        )
+        delta = [mine.delta[i] for i in self.replica.state.part()]  # fragments: v mod P's
+        return delta if term is None else [d + t for d, t in zip(delta, term, strict=True)]
 
     def _formed(self, admit: Callable[[Group], Admission]) -> Callable[[Group], Admission]:
         """`admit`, which the averager calls once our group is formed, telling the training

@@ -303,9 +303,8 @@ def _record_at(rnd: Round, version: int) -> UpdateRecord | None:
     data = rnd.replica.updates.get(version)
     if data is None:
         return None
-    shapes = [tuple(t.shape) for t in rnd.replica.state.theta]
     try:
-        return UpdateRecord.from_bytes(data, shapes=shapes)
+        return UpdateRecord.from_bytes(data, shapes=rnd.replica.state.update_shapes(version))
     except ValueError:
         return None
 

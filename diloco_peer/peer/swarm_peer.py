@@ -103,7 +103,7 @@ class SwarmPeer:
         self.identity = Identity.load(spec.identity) if spec.identity else Identity.generate()
         self.peer_id = self.identity.peer_id_str
         self.events = EventLog(spec.log_json, self.peer_id)
-        self.counters, self.activity, self.ledger = Counters(), Activity(), Ledger()
+        self.counters, self.activity = Counters(), Activity()
         self.node: Node | None = None
         self.net: Network | None = None
         self.heartbeat: Heartbeat | None = None
@@ -203,7 +203,7 @@ class SwarmPeer:
                                spec.record_updates)  # fmt: skip
         self.guard = Guard(self.identity, spec.run_name, swarm, allow=self._allowed,
                            chaos=self.faults.chaos, limits=Limits.of(run, swarm))  # fmt: skip
-        self.tensorboard = TensorBoard(spec.tensorboard)
+        self.tensorboard, self.ledger = TensorBoard(spec.tensorboard), Ledger(swarm.fragments > 1)
         self.certifier = Certifier(lambda: self.node.dht if self.node else None, self.guard,
                                    recent_norms=self.replica.recent_norms)  # fmt: skip
         facts = Facts(
@@ -219,12 +219,12 @@ class SwarmPeer:
         self.phase = Phase(
             self.training, run=run, swarm=swarm, me=self.peer_id, pinned_shard=spec.shard,
             throttle=spec.throttle, activity=self.activity, counters=self.counters,
-            in_flight=self.heads.in_flight,
+            in_flight=self.heads.in_flight, carried=self.ledger.carried,
             controls=Controls(self._stop, self._paused, self.on_step, self.heads.publish,
                               self.heads.view, self.finished),
         )  # fmt: skip
         self.overlap = Overlap(trainer, lambda: self.state.theta, swarm, self.activity,
-                               self.counters)  # fmt: skip
+                               self.counters, carried=self.ledger.carried)  # fmt: skip
         self.round = Round(
             me=self.peer_id, swarm=swarm, replica=self.replica, training=self.training,
             guard=self.guard, averager=lambda: self._network().averager, heads=self.heads,
@@ -285,7 +285,7 @@ class SwarmPeer:
                 try:
                     self.run_round()
                 except PhasePaused as p:  # kept: contributed after the pause (stale, not lost)
-                    self.ledger.add(p.partial)
+                    self.ledger.add(self.ledger.take(p.partial))
             self.overlap.wait()
             self._settle()
         except StopRequested:
@@ -322,7 +322,7 @@ class SwarmPeer:
             log.info("[%s] the run reached its end; last δ not contributed", self._tag())
             self.activity.idle()
             return None
-        outcome = self.round.run(mine, loss, t0)
+        outcome = self.round.run(self.ledger.send(mine, self.state.part()), loss, t0)
         if outcome.report is not None:
             every = self.swarm.checkpoint_every
             if every and self.counters.rounds_done % every == 0 and self.swarm.overlap:

@@ -16,13 +16,13 @@ Peak traffic falls by about P (each all-reduce carries one fragment); the bytes 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diloco_peer.averaging.fragments import fragment_of
 from diloco_peer.config import SimSpec
 from diloco_peer.errors import ConfigError
 from diloco_peer.peer.inner import Schedule
@@ -31,8 +31,6 @@ from diloco_peer.sim.worker import Worker, steps_before
 
 if TYPE_CHECKING:
     from diloco_peer.sim.simulator import Simulator
-
-_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 
 
 def check_fragments(spec: SimSpec, names: Sequence[str]) -> None:
@@ -53,27 +51,6 @@ def check_fragments(spec: SimSpec, names: Sequence[str]) -> None:
                           "--overlap-fold rebase or mix, --overlap-term own, no --drop-prob "
                           "and a constant --compute-schedule")  # fmt: skip
     fragment_of(names, count)
-
-
-def fragment_of(names: Sequence[str], count: int) -> list[int]:
-    """Each parameter's fragment, by name: transformer block i in fragment i mod `count`; the
-    parameters before the first block in fragment 0, those after the last in `count` − 1.
-    Raises ConfigError when a fragment would be empty (more fragments than blocks)."""
-    blocks = [_BLOCK.search(n) for n in names]
-    indices = [int(m.group(1)) for m in blocks if m]
-    if count < 1 or len(set(indices)) < count:
-        raise ConfigError(
-            f"--fragments {count} needs as many transformer blocks; "
-            f"the model has {len(set(indices))} transformer blocks"
-        )
-    out, seen_block = [], False
-    for m in blocks:
-        if m:
-            seen_block = True
-            out.append(int(m.group(1)) % count)
-        else:
-            out.append(count - 1 if seen_block else 0)
-    return out
 
 
 def sub_phases(steps: int, count: int) -> list[int]:
