@@ -220,7 +220,8 @@ def render(doc: dict[str, Any]) -> str:
         "phase; *reach*: s from the first training step to the first evaluation at or below the "
         "target ppl.", "",
         "| protocol | mode | final ppl (each run) | util, lowest peer (each run) | util median / whole run "
-        "| round/phase | reach s (each run) | wall s (each run) | one state | round MB sent, most |",
+        "| round/phase | reach s (each run) | wall s (each run) | one state "
+        "| round MB sent, most |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for protocol, s in doc["summary"].items():

@@ -170,8 +170,8 @@ def test_an_overlapped_fold_keeps_the_progress_the_round_left_unsynced(applied: 
     ledger.fragmented = True
     trainer, theta = _Params([1.0, 2.0]), [torch.zeros(1), torch.zeros(1)]
     swarm = SwarmSettings(overlap=True, fragments=2)
-    overlap = Overlap(trainer, lambda: theta, swarm, Activity(), Counters(),  # type: ignore[arg-type]
-                      carried=ledger.carried)  # fmt: skip
+    overlap = Overlap(trainer, lambda: theta, swarm,  # type: ignore[arg-type]
+                      Activity(), Counters(), carried=ledger.carried)  # fmt: skip
     mine = Contribution([t - p for t, p in zip(theta, trainer.params, strict=True)], 0, {0: 8}, 4)
     release = threading.Event()
 

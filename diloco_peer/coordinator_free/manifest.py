@@ -68,11 +68,12 @@ def check_fragments(run: RunSpec, swarm: SwarmSettings) -> None:
     if swarm.fragments == 1:
         return
     if run.outer_optimizer not in FRAGMENT_OPTIMIZERS:
+        allowed = ", ".join(FRAGMENT_OPTIMIZERS)
         raise ConfigError(f"swarm fragments {swarm.fragments} needs the outer optimizer "
-                            f"{', '.join(FRAGMENT_OPTIMIZERS)}, not {run.outer_optimizer}")  # fmt: skip
+                          f"{allowed}, not {run.outer_optimizer}")  # fmt: skip
     if swarm.fragments > run.inner_steps:
         raise ConfigError(f"swarm fragments {swarm.fragments} is more than H "
-                            f"(inner_steps {run.inner_steps})")  # fmt: skip
+                          f"(inner_steps {run.inner_steps})")  # fmt: skip
 
 
 def load_run_config(path: str | Path) -> tuple[RunSpec, SwarmSettings]:

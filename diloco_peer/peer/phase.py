@@ -148,9 +148,9 @@ def build_training(
         **({"buffer_size": run.dn_buffer_size or swarm.expected_peers or 1, "c": run.dn_c}
            if run.outer_optimizer == "delayed-nesterov" else {}),
     )  # fmt: skip
-    names = [n for n, _ in init.named_parameters()]
+    parts = fragment_parts([n for n, _ in init.named_parameters()], swarm.fragments)
     state = ReplicatedState([p.detach() for p in init.parameters()], outer, num_shards,
-                            manifest_digest, parts=fragment_parts(names, swarm.fragments))  # fmt: skip
+                            manifest_digest, parts=parts)  # fmt: skip
     schedule = Schedule.for_shard(run)
     return Training(data, device, trainer, shards, streams, schedule, state, init)
 
@@ -249,7 +249,8 @@ class Phase:
     def unseen_steps(self, view: SwarmView, co_planners: list[str]) -> int:
         """Steps others plan at the same moment (SwarmView.unseen_steps)."""
         return view.unseen_steps(
-            synchronous=not self.asynchronous, inner_steps=self.run.inner_steps // self.swarm.fragments,
+            synchronous=not self.asynchronous,
+            inner_steps=self.run.inner_steps // self.swarm.fragments,
             co_planners=co_planners, steps_of=self.steps_of(view) if self.asynchronous else {},
             probe_steps=self.probe_steps(),
         )  # fmt: skip
