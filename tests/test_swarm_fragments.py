@@ -284,5 +284,8 @@ def test_a_fragmented_swarm_agrees_replays_and_outlives_a_killed_peer(
         base = int(path.stem.split("-")[1])
         record = UpdateRecord.from_bytes(path.read_bytes())
         assert len(record.average) == len(parts[base % 3]), (base, len(record.average))
+    # H / fragments a phase; a δ a failed round kept (c killed mid-round) joins the next one
     steps = [e["steps"] for e in read_log(log_a) if e["event"] == "round"]
-    assert steps and all(s == 4 for s in steps), steps  # H / fragments a round
+    failed = sum(1 for e in read_log(log_a) if e["event"] == "round_failed")
+    assert steps and all(s % 4 == 0 for s in steps), steps
+    assert sum(steps) // 4 - len(steps) <= failed, (steps, failed)
