@@ -7,8 +7,8 @@ replicated state holds --total-steps applied local steps. Per repeat, per protoc
 run and an overlapped one (`swarm.overlap`, ALGORITHMS §1.1), on the same lab and seed.
 
 Per run: each peer's compute utilization in steady state (compute seconds over wall seconds
-from its first applied round to its last, from the round events: start-up and the run's end
-left out) and over its whole run (its stop event: compute_s / active_s); the round's span
+from its first applied round to its last, from the round events: start-up and the run's end,
+with fragments the flush's rounds, left out) and over its whole run (its stop event: compute_s / active_s); the round's span
 (`comm_s`, from the phase's end to the update in hand) against a phase (steps / speed), which
 says whether the links put the all-reduce in the issue's band (0.3x to 1x a phase); the final
 held-out ppl (the founder's stop event), the applied steps, whether every peer ended on one
@@ -119,6 +119,10 @@ def one_run(a: argparse.Namespace, hosts: list[Host], protocol: str, mode: str,
         events = read_log(folder / f"peer{i}.jsonl")
         rounds = [e for e in events if e["event"] == "round"]
         stop = next((e for e in events if e["event"] == "stop"), {})
+        # with fragments, the run's last P - 1 versions are the flush's rounds of no steps
+        # (docs/algorithms.md §1.3, 6): the steady state ends before them
+        end = (stop.get("version") or 0) - (fragments - 1)
+        trained = [e for e in rounds if e["version"] <= end] if fragments > 1 else rounds
         spans = [e["comm_s"] / (e["steps"] / e["speed"]) for e in rounds
                  if e.get("speed") and e.get("steps")]  # fmt: skip
         curve += [(e["time"], e["ppl"]) for e in rounds if e.get("ppl") is not None]
@@ -126,7 +130,7 @@ def one_run(a: argparse.Namespace, hosts: list[Host], protocol: str, mode: str,
         peers.append({
             "exit_code": codes[i], "rounds": len(rounds),
             "steps": sum(e.get("steps", 0) for e in rounds),
-            "steady_utilization": steady_utilization(rounds),
+            "steady_utilization": steady_utilization(trained),
             "run_utilization": stop.get("compute_s", 0.0) / active if active else None,
             "round_over_phase": median(spans),
             "overlapped_rounds": sum(1 for e in rounds if e.get("overlapped")),

@@ -295,8 +295,8 @@ class SwarmSettings:
     start_timeout_s: float = 300.0
     """Longest a peer waits for expected_peers before it trains anyway."""
     eval_every: int = 1
-    """Evaluate the held-out perplexity every this many versions (and when stopping); 0: only
-    when stopping."""
+    """Evaluate the held-out perplexity every this many versions (with fragments, cycles of P
+    versions) and when stopping; 0: only when stopping."""
     keep_updates: int = 16
     """L: at most this many applied updates each peer keeps and serves, so a peer behind by at
     most L versions replays them instead of downloading the full state. Replay pays only while

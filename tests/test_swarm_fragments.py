@@ -150,6 +150,22 @@ def test_the_progress_not_synced_rides_the_ledger_and_is_trained_on() -> None:
     assert (again.shard_samples, again.steps) == ({1: 16, 2: 8}, 8)
 
 
+def test_the_ledger_says_which_fragments_it_holds_and_empties_once_all_are_sent() -> None:
+    """What the end's flush reads (`Ledger.unsynced`) and leaves: a send that leaves nothing
+    unsynced leaves nothing pending (no zero δ in the checkpoint)."""
+    parts = [[0], [1], [2]]
+    ledger = Ledger(fragmented=True)
+    assert ledger.unsynced(parts) == []
+    mine = Contribution([torch.ones(3), torch.zeros(2, 2), 3 * torch.ones(4)], 5, {1: 16}, 4)
+    sent = ledger.send(mine, parts[0])
+    assert ledger.unsynced(parts) == [2] and sent.steps == 4
+    pending, ledger.pending = ledger.pending, None
+    assert pending is not None
+    last = ledger.send(pending, parts[2])
+    assert torch.equal(last.delta[2], 3 * torch.ones(4)) and ledger.pending is None
+    assert ledger.unsynced(parts) == []
+
+
 class _Params:
     """The part of InnerTrainer an overlapped fold touches: its parameters and `rebase`."""
 
@@ -250,7 +266,8 @@ def test_a_fragmented_swarm_agrees_replays_and_outlives_a_killed_peer(
     """a, b and c train; b pauses mid-phase (its partial δ kept), comes back and replays the
     updates of several fragments; then c's main process is killed (its helpers left to their
     lifeline). Every update a recorded holds its version's fragment alone; a and b end on one
-    state, in pairs once c is gone."""
+    state, in pairs once c is gone, after two rounds of no steps past version 14 that sync the
+    two fragments their last phases left unsynced (the flush: nothing pending at the end)."""
     cfg, records = tmp_path / "run.toml", tmp_path / "records"
     cfg.write_text(FRAGMENT_RUN + overlap)
     until = ["--until-version", "14"]
@@ -274,18 +291,25 @@ def test_a_fragmented_swarm_agrees_replays_and_outlives_a_killed_peer(
     branch = branches(log_a, log_b)
     assert branch.one_branch, branch.conflicts
     ra = {e["version"]: e for e in read_log(log_a) if e["event"] == "round"}
-    assert max(ra) == 14 and ra[14]["group_size"] == 2
+    assert max(ra) == 16 and ra[14]["group_size"] == 2
+    # the flush: no phase, but an overlapped phase the end cut short counts its steps there
+    assert all(ra[v]["steps"] < 4 and ra[v]["group_size"] == 2 for v in (15, 16)), ra
     assert any(e["group_size"] == 3 for e in ra.values())
+    # nothing left unsynced but, overlapped, the progress on fragment 13 mod 3 of the phase the
+    # end cut short (every peer syncs the P - 1 fragments its blocking phase left)
+    for log in (log_a, log_b):
+        (stop,) = [e for e in read_log(log) if e["event"] == "stop"]
+        assert stop["version"] == 16 and set(stop["unsynced"]) <= ({1} if overlap else set())
     names = [n for n, _ in build_model("nano", 256, 0).named_parameters()]
     parts = fragment_parts(names, 3)
     recorded = sorted(records.glob("update-*.safetensors"))
-    assert len(recorded) == 14
+    assert len(recorded) == 16
     for path in recorded:
         base = int(path.stem.split("-")[1])
         record = UpdateRecord.from_bytes(path.read_bytes())
         assert len(record.average) == len(parts[base % 3]), (base, len(record.average))
     # H / fragments a phase; a δ a failed round kept (c killed mid-round) joins the next one
-    steps = [e["steps"] for e in read_log(log_a) if e["event"] == "round"]
+    steps = [e["steps"] for e in read_log(log_a) if e["event"] == "round" and e["version"] <= 14]
     failed = sum(1 for e in read_log(log_a) if e["event"] == "round_failed")
     assert steps and all(s % 4 == 0 for s in steps), steps
     assert sum(steps) // 4 - len(steps) <= failed, (steps, failed)

@@ -82,8 +82,16 @@ class Ledger:
         if not self.fragmented:
             return mine
         sent, rest = split(mine, part)
-        self.add(rest)
+        if any(bool(t.any()) for t in rest.delta):  # nothing left: the flush synced it all
+            self.add(rest)
         return sent
+
+    def unsynced(self, parts: list[list[int]]) -> list[int]:
+        """The fragments (indices into `parts`) the pending δ holds progress on."""
+        if self.pending is None:
+            return []
+        delta = self.pending.delta
+        return [f for f, part in enumerate(parts) if any(bool(delta[i].any()) for i in part)]
 
     def owns(self, version: int) -> bool:
         """Our own δ produced `version` (and would go into a later group if it lost a fork)."""

@@ -439,7 +439,7 @@ class Round:
         self.co_planners = [p for p in members if p != self.me]
         self.heads.publish()
         shown = time.time()  # the others can see the update from here on
-        every = self.swarm.eval_every
+        every = self.swarm.eval_every * self.swarm.fragments  # versions; fragments: cycles
         ppl = self.training.eval_ppl() if every and version % every == 0 else None
         report = RoundReport(
             version=version, state_hash=result_hash,

@@ -14,6 +14,7 @@ grace period) -> apply (outer step on CPU fp32, replicated) -> publish the new h
     certify.py          seal what we commit, verify the certificate of what we replay
     phase.py            planning and inner training (δ)
     round.py            contribute, commit or keep (a typed outcome), the δ ledger
+    run_end.py          the swarm's end: sync what fragments left unsynced, heal a last fork
     peer_checkpoint.py  save and resume
     telemetry.py        counters, round report, metrics, TensorBoard
 
@@ -68,6 +69,7 @@ from diloco_peer.peer.overlap import Overlap
 from diloco_peer.peer.phase import Controls, Phase, PhasePaused, StopRequested, build_training
 from diloco_peer.peer.replica import Replica, prepare_record_dir
 from diloco_peer.peer.round import Round, RoundOutcome
+from diloco_peer.peer.run_end import RunEnd
 from diloco_peer.peer.telemetry import (
     Counters,
     Gauges,
@@ -79,9 +81,6 @@ from diloco_peer.peer.telemetry import (
 from diloco_peer.peer.trust import Guard
 
 log = logging.getLogger(__name__)
-
-SETTLE_MAX_S = 60.0
-"""At the run's end, how long a peer waits at most for peers still in a phase (`_settle`)."""
 
 
 class SwarmPeer:
@@ -232,6 +231,12 @@ class SwarmPeer:
             events=self.events, tensorboard=self.tensorboard, catch_up=self.catch_up,
             certifier=self.certifier, notes=lambda: self._network().notes,
         )  # fmt: skip
+        self.run_end = RunEnd(
+            spec=spec, swarm=swarm, replica=self.replica, ledger=self.ledger, round_=self.round,
+            heads=self.heads, activity=self.activity, counters=self.counters,
+            training=self.training, catch_up=self.catch_up, stop=self._stop,
+            applied_steps=self.applied_steps, on_round=self.on_round,
+        )  # fmt: skip
 
     def _probe(self, prefix: str, key_path: Path, validators: list[Any]) -> None:
         """A joiner in client mode asks a swarm peer to dial it (`become_reachable`)."""
@@ -287,7 +292,7 @@ class SwarmPeer:
                 except PhasePaused as p:  # kept: contributed after the pause (stale, not lost)
                     self.ledger.add(self.ledger.take(p.partial))
             self.overlap.wait()
-            self._settle()
+            self.run_end.finish()
         except StopRequested:
             self.overlap.wait()  # its δ is applied or kept before the checkpoint
 
@@ -319,6 +324,8 @@ class SwarmPeer:
         """Catch up, then the round of `mine` (in the background under `swarm.overlap`)."""
         self.catch_up()  # peers may have moved on while we trained
         if self.finished():  # the swarm reached the run's end while we trained
+            if self.ledger.fragmented:  # the flush at the end syncs what it can of it
+                self.ledger.add(mine)
             log.info("[%s] the run reached its end; last δ not contributed", self._tag())
             self.activity.idle()
             return None
@@ -371,33 +378,6 @@ class SwarmPeer:
     def applied_steps(self) -> int:
         """Local steps the swarm state holds, all peers together (from the shard counters)."""
         return sum(self.state.shard_samples) // self.run.batch_size
-
-    def _settle(self) -> None:
-        """At the run's end (--until-version/--until-steps), stay live for a moment and heal a
-        fork of the last versions, so peers that stop together stop on one state."""
-        spec = self.spec
-        swarm_end = (spec.until_version and self.state.version >= spec.until_version) or (
-            spec.until_steps and self.applied_steps() >= spec.until_steps
-        )
-        if self._stop.is_set() or not swarm_end:
-            return
-        if self.activity.eta is not None:  # a last phase that will not be contributed
-            self.activity.idle()
-            self.heads.publish()
-        asynchronous, start = self.swarm.protocol == "async", time.time()
-        grace_s = self.training.grace_s(self.swarm, self.heads.view())
-        deadline = start + min(SETTLE_MAX_S, max(3.0, 2 * grace_s if asynchronous else 0))
-        while not self._stop.is_set():
-            self.catch_up()
-            now = time.time()
-            # Async: a peer still in a phase (or a group) at our version or below will commit
-            # a version of its own; leaving before it does would leave it on another branch
-            # (seen: two pairs ended on two different last versions). Stay until it is done.
-            if asynchronous and self.heads.view().still_working():
-                deadline = max(deadline, min(start + SETTLE_MAX_S, now + grace_s))
-            if now >= deadline:
-                return
-            self._stop.wait(0.5)
 
     def _pause(self) -> None:
         """Leave (others drop our head at once, so nobody waits for us), wait, come back."""
@@ -467,7 +447,7 @@ class SwarmPeer:
             finite=all(bool(torch.isfinite(t).all()) for t in self.state.theta),
             bans=self.guard.head_bans(self.state.version) or {}, bans_total=self.guard.bans.total,
             data_share=[len(x) / len(self.training.data.train) for x in self.training.shards],
-            active_s=c.active_s(),
+            active_s=c.active_s(), unsynced=self.ledger.unsynced(self.state.parts),
         )  # fmt: skip
 
     # ----- small helpers
