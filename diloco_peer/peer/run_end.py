@@ -75,12 +75,11 @@ class RunEnd:
         self.flush()
         self.settle()
 
-    def flush(self) -> int:
+    def flush(self) -> None:
         """Fragments: one round for each of the next P − 1 versions' fragments, carrying the
         ledger's progress on it (no steps: the phases that made it were counted when their
         first fragment was applied). Stops at a round that is not applied (its δ stays in the
-        ledger, and in the checkpoint). Returns the rounds applied."""
-        applied = 0
+        ledger, and in the checkpoint)."""
         for _ in range(self.swarm.fragments - 1):
             self.catch_up()
             pending = self.ledger.pending
@@ -97,9 +96,7 @@ class RunEnd:
                 log.warning("[%s v%d] the flush stopped: %s", self._tag(), self.replica.version,
                             outcome.reason or outcome.status.value)  # fmt: skip
                 break
-            applied += 1
             self.on_round(outcome.report)
-        return applied
 
     def settle(self) -> None:
         """Stay live for a moment and heal a fork of the last versions."""
