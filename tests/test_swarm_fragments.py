@@ -21,9 +21,10 @@ from diloco_peer.averaging.state import ReplicatedState
 from diloco_peer.config import RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.manifest import Manifest, check_fragments
 from diloco_peer.coordinator_free.update_log import UpdateLog, UpdateRecord
-from diloco_peer.errors import ConfigError, ManifestError
+from diloco_peer.errors import CheckpointError, ConfigError, ManifestError
 from diloco_peer.identity import Identity
-from diloco_peer.local_swarm import LocalSwarm, branches
+from diloco_peer.local_swarm import LocalSwarm, branches, kill_main
+from diloco_peer.peer import peer_checkpoint
 from diloco_peer.peer.delta import Contribution, Ledger, split
 from diloco_peer.peer.events import read_log
 from diloco_peer.peer.heads import Activity
@@ -164,6 +165,40 @@ def test_the_ledger_says_which_fragments_it_holds_and_empties_once_all_are_sent(
     last = ledger.send(pending, parts[2])
     assert torch.equal(last.delta[2], 3 * torch.ones(4)) and ledger.pending is None
     assert ledger.unsynced(parts) == []
+
+
+def test_a_restart_does_not_offer_again_what_rounds_after_its_checkpoint_applied(
+    tmp_path: Path,
+) -> None:
+    """The sent log (`peer_checkpoint.record_sent`): rounds of ours applied after the checkpoint
+    carried its pending δ's fragments; a restart forgets those (`Ledger.forget`), keeps the rest,
+    and an entry at or below the checkpoint's version (written before it) changes nothing."""
+    ckpt = tmp_path / "run.peer.safetensors"
+    peer_checkpoint.record_sent(ckpt, 1, 7)  # before the checkpoint at version 8
+    peer_checkpoint.clear_sent(ckpt, 8)
+    assert not peer_checkpoint.sent_path(ckpt).exists()
+    peer_checkpoint.record_sent(ckpt, 2, 9)
+    peer_checkpoint.record_sent(ckpt, 0, 10)
+    peer_checkpoint.record_sent(ckpt, 0, 8)  # an older entry of the same fragment: kept out
+    assert peer_checkpoint.sent_since(ckpt, 9) == [0] and peer_checkpoint.sent_since(ckpt, 8) == [
+        0,
+        2,
+    ]
+    ledger = Ledger(fragmented=True)
+    ledger.pending = Contribution([torch.ones(3), torch.ones(2, 2), torch.ones(4)], 8, {1: 8}, 4)
+    ledger.forget([[2]])
+    pending = ledger.pending
+    assert pending is not None and (pending.shard_samples, pending.steps) == ({}, 0)
+    assert ledger.unsynced([[0], [1], [2]]) == [0, 1] and torch.equal(
+        pending.delta[2], torch.zeros(4)
+    )
+    ledger.forget([[0], [1]])
+    assert ledger.pending is None
+    peer_checkpoint.clear_sent(ckpt, 9)  # a round applied while the checkpoint was written
+    assert peer_checkpoint.sent_since(ckpt, 0) == [0]
+    peer_checkpoint.sent_path(ckpt).write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="sent log"):
+        peer_checkpoint.sent_since(ckpt, 0)
 
 
 class _Params:
@@ -313,3 +348,36 @@ def test_a_fragmented_swarm_agrees_replays_and_outlives_a_killed_peer(
     failed = sum(1 for e in read_log(log_a) if e["event"] == "round_failed")
     assert steps and all(s % 4 == 0 for s in steps), steps
     assert sum(steps) // 4 - len(steps) <= failed, (steps, failed)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(300)
+def test_a_fragmented_peer_restarted_from_its_checkpoint_offers_nothing_twice(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
+    """b checkpoints every 3 rounds; its main process is killed (its helpers left) after a
+    round that followed a checkpoint, which sent a fragment of the checkpoint's pending δ. The
+    restart forgets that fragment (the sent log), keeps the others' progress, rejoins, and both
+    end on one state with nothing unsynced after the flush."""
+    cfg, ckpt, key = tmp_path / "run.toml", tmp_path / "b-ckpt", tmp_path / "b.key"
+    cfg.write_text(FRAGMENT_RUN + "checkpoint_every = 3\n")
+    key.write_bytes(Identity.generate().to_bytes())
+    until = ["--until-version", "12"]
+    a, log_a = swarm.start("a", "--config", str(cfg), "--expected-peers", "2", *until)
+    maddr = swarm.wait_event(log_a, "start", 90, proc=a)["maddrs"][0]
+    b_args = ["--swarm", maddr, "--identity", str(key), "--checkpoint-dir", str(ckpt), *until]
+    b, log_b = swarm.start("b", *b_args)
+    swarm.wait_event(log_b, "round", 150, proc=b, count=4)  # the checkpoint came after the 3rd
+    kill_main(b)
+    assert peer_checkpoint.sent_path(ckpt / "t.peer.safetensors").exists()
+    b2, log_b2 = swarm.start("b2", *b_args)
+    resume = swarm.wait_event(log_b2, "resume", 90, proc=b2)
+    assert resume["forgotten"] and resume["unsynced"], resume
+    assert not set(resume["forgotten"]) & set(resume["unsynced"]), resume
+    assert a.wait(timeout=200) == 0
+    assert b2.wait(timeout=60) == 0
+    branch = branches(log_a, log_b2)
+    assert branch.one_branch, branch.conflicts
+    for log in (log_a, log_b2):
+        (stop,) = [e for e in read_log(log) if e["event"] == "stop"]
+        assert stop["version"] == 14 and stop["unsynced"] == [], stop

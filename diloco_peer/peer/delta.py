@@ -93,6 +93,17 @@ class Ledger:
         delta = self.pending.delta
         return [f for f, part in enumerate(parts) if any(bool(delta[i].any()) for i in part)]
 
+    def forget(self, parts: list[list[int]]) -> None:
+        """A restart from a checkpoint that rounds of ours outlived: the first of them carried
+        the pending δ's samples and steps, each its progress on its fragment (`parts`); none
+        of it is offered again (`peer_checkpoint.sent_since`)."""
+        if self.pending is None or not parts:
+            return
+        gone = {i for part in parts for i in part}
+        delta = [torch.zeros_like(d) if i in gone else d for i, d in enumerate(self.pending.delta)]
+        left = any(bool(d.any()) for d in delta)
+        self.pending = Contribution(delta, self.pending.base_version, {}, 0) if left else None
+
     def owns(self, version: int) -> bool:
         """Our own δ produced `version` (and would go into a later group if it lost a fork)."""
         return self.last_own is not None and self.last_own[0] == version

@@ -123,6 +123,56 @@ def save(path: Path, parts: PeerParts, rounds_done: int, pending: Contribution |
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(st_save(tensors, metadata=meta)))
 
 
+MAX_SENT = 4096
+"""At most this many fragments in a sent log (a file of another kind is refused)."""
+
+
+def sent_path(path: Path) -> Path:
+    """The checkpoint's sent log: the fragments of the δ in its pending that rounds of ours
+    applied after it was written (`record_sent`, `sent_since`)."""
+    return path.with_name(path.name + ".sent.json")
+
+
+def record_sent(path: Path, fragment: int, produced: int) -> None:
+    """A round of ours produced version `produced` with our δ's `fragment` (every δ: one
+    fragment, 0) after the checkpoint at `path` was written: a restart from that checkpoint
+    must not offer it again (`Ledger.forget`). One small JSON object, written atomically."""
+    log = _read_sent(sent_path(path))
+    log[str(fragment)] = max(produced, log.get(str(fragment), produced))
+    atomic_write(sent_path(path), lambda tmp: Path(tmp).write_text(json.dumps(log)))
+
+
+def clear_sent(path: Path, version: int) -> None:
+    """The checkpoint just written at `version` holds every update up to it (an overlapped
+    round may have applied a later one meanwhile: its entry stays)."""
+    log = {f: v for f, v in _read_sent(sent_path(path)).items() if v > version}
+    if log:
+        atomic_write(sent_path(path), lambda tmp: Path(tmp).write_text(json.dumps(log)))
+    else:
+        sent_path(path).unlink(missing_ok=True)
+
+
+def sent_since(path: Path, version: int) -> list[int]:
+    """The fragments rounds of ours applied above `version` (the checkpoint's): an entry at or
+    below it was written before the checkpoint (a crash between the two writes)."""
+    return sorted(int(f) for f, v in _read_sent(sent_path(path)).items() if v > version)
+
+
+def _read_sent(path: Path) -> dict[str, int]:
+    if not path.exists():
+        return {}
+    try:
+        log = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(log, dict) or len(log) > MAX_SENT:
+            raise ValueError(f"not an object of at most {MAX_SENT} fragments")
+        return {str(int(f)): int(v) for f, v in log.items()}
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(
+            f"{path}: unreadable sent log ({e}); it says which of the checkpoint's pending δ "
+            "the swarm applied already: remove it together with the checkpoint to start afresh"
+        ) from None
+
+
 @dataclass(frozen=True)
 class Resumed:
     rounds_done: int

@@ -235,7 +235,7 @@ class SwarmPeer:
             spec=spec, swarm=swarm, replica=self.replica, ledger=self.ledger, round_=self.round,
             heads=self.heads, activity=self.activity, counters=self.counters,
             training=self.training, catch_up=self.catch_up, stop=self._stop,
-            applied_steps=self.applied_steps, on_round=self.on_round,
+            applied_steps=self.applied_steps, on_round=self.applied,
         )  # fmt: skip
 
     def _probe(self, prefix: str, key_path: Path, validators: list[Any]) -> None:
@@ -257,12 +257,14 @@ class SwarmPeer:
             return  # checked writable in start()
         resumed = peer_checkpoint.load(path, self._checkpoint_parts())
         self.counters.rounds_done = resumed.rounds_done
-        if resumed.pending is not None:
-            self.ledger.pending = resumed.pending
+        self.ledger.pending = resumed.pending
+        sent = peer_checkpoint.sent_since(path, self.state.version)  # applied after it
+        self.ledger.forget([self.state.parts[f] for f in sent if f < len(self.state.parts)])
         self.events.emit(
             "resume", version=self.state.version, state_hash=self.state.hash(), group_size=0,
             loss=None, rounds_done=self.counters.rounds_done,
             pending_steps=resumed.pending.steps if resumed.pending is not None else 0,
+            unsynced=self.ledger.unsynced(self.state.parts), forgotten=sent,
         )  # fmt: skip
 
     def _start_metrics(self) -> None:
@@ -310,11 +312,11 @@ class SwarmPeer:
         )
         fresh, loss = self.phase.train(steps, others, self.overlap if self.swarm.overlap else None)
         self.counters.last_loss = loss
+        if self._checkpoint_due:  # overlapped: at a phase's end, AdamW and the data at rest,
+            self._checkpoint_due = False  # the ledger not yet taken (`applied`: the sent log)
+            self.save_checkpoint()
         mine = self.ledger.take(fresh)  # with what a failed or losing group left
         t0 = time.time()
-        if self._checkpoint_due:  # overlapped: at a phase's end, AdamW and the data at rest
-            self._checkpoint_due = False
-            self.save_checkpoint()
         if self.swarm.overlap:  # the next phase trains while this round runs
             self.overlap.start(lambda: self.contribute(mine, loss, t0))
             return None
@@ -331,13 +333,22 @@ class SwarmPeer:
             return None
         outcome = self.round.run(self.ledger.send(mine, self.state.part()), loss, t0)
         if outcome.report is not None:
+            self.applied(outcome.report)
             every = self.swarm.checkpoint_every
             if every and self.counters.rounds_done % every == 0 and self.swarm.overlap:
                 self._checkpoint_due = True
             elif every and self.counters.rounds_done % every == 0:
                 self.save_checkpoint()
-            self.on_round(outcome.report)
         return outcome
+
+    def applied(self, report: RoundReport) -> None:
+        """An update holding our δ was applied: the checkpoint's sent log says which fragment
+        of its pending δ went (a restart does not offer it again), then `on_round`."""
+        path = peer_checkpoint.checkpoint_path(self.spec.checkpoint_dir, self.spec.run_name)
+        if path is not None and path.exists():
+            fragment = (report.version - 1) % len(self.state.parts)
+            peer_checkpoint.record_sent(path, fragment, report.version)
+        self.on_round(report)
 
     def catch_up(
         self, hint: HeadChoice | None = None, publish: bool = True, accept: Accept | None = None
@@ -408,8 +419,10 @@ class SwarmPeer:
         """Global state, local AdamW state, data positions and a pending δ, atomically."""
         path = peer_checkpoint.checkpoint_path(self.spec.checkpoint_dir, self.spec.run_name)
         if path is not None:
+            version = self.state.version
             peer_checkpoint.save(path, self._checkpoint_parts(), self.counters.rounds_done,
                                  self.ledger.pending)  # fmt: skip
+            peer_checkpoint.clear_sent(path, version)
 
     def shutdown(self) -> None:
         """Save a checkpoint, leave the DHT, free everything. Safe to call more than once."""
