@@ -1,10 +1,12 @@
 """Churn: peers crash at seeded random moments and come back; half the swarm is cut off once.
 
 Needs root: every peer runs on a host of its own (`diloco_peer.netlab.NetLab`, one network
-namespace each). A founder and N-1 peers (nano, --protocol, H = --inner-steps, a checkpoint every
-version, a fixed key and checkpoint folder each) train until --versions. Meanwhile --crashes
-crashes hit the peers other than the founder (the founder's address is everyone's way in), one
-at a time, each when the swarm's version reaches its turn plus a seeded delay, in three ways:
+namespace each). A founder and N-1 peers (nano, --protocol, H = --inner-steps, a checkpoint
+every --checkpoint-every versions, a fixed key and checkpoint folder each; --fragments P:
+Streaming DiLoCo's fragments, whose flush adds P − 1 versions at the end) train until --versions.
+Meanwhile --crashes crashes hit the peers other than the founder (the founder's address is
+everyone's way in), one at a time, each when the swarm's version reaches its turn plus a seeded
+delay, in three ways:
 
 - `random`: SIGKILL at that moment, alternately of the main process alone (what a crash in
   native code or the out-of-memory killer does: the children live on) and of its whole process
@@ -181,6 +183,18 @@ def parse() -> argparse.Namespace:
                    help="the swarm's group_size (0: the default); below --peers, versions are "
                    "averaged in two stages")  # fmt: skip
     p.add_argument("--mbit", type=float, default=100.0, help="every host's link, both ways")
+    p.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="swarm.fragments (sync: Streaming DiLoCo's parts, one a version)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        help="versions between a peer's checkpoints (a crash loses what came after)",
+    )
     p.add_argument("--partition-s", type=float, default=30.0, help="0: no partition")
     p.add_argument("--partition-at", type=int, default=0, help="version (0: a third of the way)")
     p.add_argument("--hang-s", type=float, default=180.0)
@@ -194,7 +208,8 @@ def parse() -> argparse.Namespace:
 def write_config(args: argparse.Namespace, folder: Path) -> tuple[Path, Any]:
     run, swarm = default_run("nano", args.protocol)
     run = dataclasses.replace(run, inner_steps=args.inner_steps)
-    swarm = dataclasses.replace(swarm, expected_peers=args.peers, checkpoint_every=1)
+    swarm = dataclasses.replace(swarm, expected_peers=args.peers, fragments=args.fragments,
+                                checkpoint_every=args.checkpoint_every)  # fmt: skip
     if args.group_size:
         swarm = dataclasses.replace(swarm, group_size=args.group_size)
     path = folder / "run.toml"
