@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -369,7 +370,18 @@ def test_a_fragmented_peer_restarted_from_its_checkpoint_offers_nothing_twice(
     b, log_b = swarm.start("b", *b_args)
     swarm.wait_event(log_b, "round", 150, proc=b, count=4)  # the checkpoint came after the 3rd
     kill_main(b)
-    assert peer_checkpoint.sent_path(ckpt / "t.peer.safetensors").exists()
+    sent = peer_checkpoint.sent_path(ckpt / "t.peer.safetensors")
+    assert sent.exists()
+    # a sent log that does not parse: one line, exit 2, nothing changed
+    spoiled = tmp_path / "spoiled"
+    shutil.copytree(ckpt, spoiled)
+    peer_checkpoint.sent_path(spoiled / "t.peer.safetensors").write_text("{not json")
+    bad_args = ["--swarm", maddr, "--identity", str(key), "--checkpoint-dir", str(spoiled)]
+    bad, _ = swarm.start("bad", *bad_args)
+    assert bad.wait(timeout=90) == 2
+    err = (tmp_path / "bad.err").read_text().strip().splitlines()
+    assert "sent log" in err[-1] and not any("Traceback" in line for line in err), err
+    assert peer_checkpoint.sent_path(spoiled / "t.peer.safetensors").read_text() == "{not json"
     b2, log_b2 = swarm.start("b2", *b_args)
     resume = swarm.wait_event(log_b2, "resume", 90, proc=b2)
     assert resume["forgotten"] and resume["unsynced"], resume

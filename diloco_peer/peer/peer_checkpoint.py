@@ -168,8 +168,9 @@ def _read_sent(path: Path) -> dict[str, int]:
         return {str(int(f)): int(v) for f, v in log.items()}
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(
-            f"{path}: unreadable sent log ({e}); it says which of the checkpoint's pending δ "
-            "the swarm applied already: remove it together with the checkpoint to start afresh"
+            f"{path}: unreadable sent log ({e}); it says which parts of the checkpoint's "
+            "pending δ the swarm applied already: remove it to resume anyway (they may then "
+            "be applied twice)"
         ) from None
 
 

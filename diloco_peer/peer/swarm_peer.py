@@ -259,7 +259,7 @@ class SwarmPeer:
         self.counters.rounds_done = resumed.rounds_done
         self.ledger.pending = resumed.pending
         sent = peer_checkpoint.sent_since(path, self.state.version)  # applied after it
-        self.ledger.forget([self.state.parts[f] for f in sent if f < len(self.state.parts)])
+        self.ledger.forget([self.state.parts[f] for f in sent if 0 <= f < len(self.state.parts)])
         self.events.emit(
             "resume", version=self.state.version, state_hash=self.state.hash(), group_size=0,
             loss=None, rounds_done=self.counters.rounds_done,
