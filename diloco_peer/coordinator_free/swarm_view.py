@@ -451,12 +451,19 @@ def run_ended(
     --max-hours reached (each 0: no such limit)."""
     return (
         bool(spec.max_rounds and rounds_done >= spec.max_rounds)
-        or bool(spec.until_version and version >= spec.until_version)
+        or swarm_end(spec, version, applied_steps)
         # the others reached the run's end and left while this peer trained: applying its δ
         # alone now would only make a state nobody else holds
         or bool(spec.until_version and departed_version >= spec.until_version)
-        or bool(spec.until_steps and applied_steps >= spec.until_steps)
         or bool(spec.max_hours and elapsed_s >= spec.max_hours * 3600)
+    )
+
+
+def swarm_end(spec: PeerSpec, version: int, applied_steps: int) -> bool:
+    """The run ended for the whole swarm (--until-version, --until-steps: a version every peer
+    reaches), not for this peer alone (--max-rounds, --max-hours, a stop)."""
+    return bool(spec.until_version and version >= spec.until_version) or bool(
+        spec.until_steps and applied_steps >= spec.until_steps
     )
 
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from diloco_peer.config import PeerSpec, SwarmSettings
+from diloco_peer.coordinator_free.swarm_view import swarm_end
 from diloco_peer.peer.delta import Contribution, Ledger
 from diloco_peer.peer.heads import Activity, HeadChannel
 from diloco_peer.peer.phase import Training
@@ -29,14 +30,6 @@ log = logging.getLogger(__name__)
 
 SETTLE_MAX_S = 60.0
 """At the run's end, how long a peer waits at most for peers still in a phase (`settle`)."""
-
-
-def swarm_end(spec: PeerSpec, version: int, applied_steps: int) -> bool:
-    """The run ended for the whole swarm (--until-version, --until-steps), not for this peer
-    alone (--max-rounds, --max-hours, a stop)."""
-    return bool(spec.until_version and version >= spec.until_version) or bool(
-        spec.until_steps and applied_steps >= spec.until_steps
-    )
 
 
 class RunEnd:
