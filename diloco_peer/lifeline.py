@@ -256,6 +256,20 @@ def end_orphans(key: bytes) -> int:
     return len(doomed)
 
 
+def live_holders(key: bytes) -> list[int]:
+    """The running peers on this machine whose libp2p daemon holds `key` (their main process
+    ids): a second peer with that key must not start. This does not rest on the swarm: hivemind's
+    own check (a libp2p lookup of the peer id through the --swarm peers) can miss a live holder
+    on a loaded machine, and two daemons with one key break both peers' connections."""
+    holders = []
+    for pid in procfs.daemons_with_identity(key):
+        daemon = procfs.stat(pid)
+        dht = procfs.stat(daemon.ppid) if daemon is not None else None
+        if dht is not None and _peer_alive(dht):
+            holders.append(dht.ppid)
+    return sorted(set(holders))
+
+
 def _peer_alive(dht: procfs.Stat) -> bool:
     """A DHT process is forked from its peer, so the two share one command line: its parent
     runs the same one only while the peer lives (an orphan's parent is init or a reaper)."""

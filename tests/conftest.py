@@ -87,6 +87,24 @@ allreduce_timeout_s = 6.0
 """A run.toml for multi-peer tests: nano, H = 10, short timeouts (sync)."""
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that ran a local swarm shows the last lines of each peer's stderr: CI keeps
+    only the printed output, not the test's folder."""
+    del call
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    peers = getattr(item, "funcargs", {}).get("swarm")
+    if report.when != "call" or not report.failed or not isinstance(peers, LocalSwarm):
+        return
+    tails = []
+    for err in sorted(peers.folder.glob("*.err")):
+        lines = err.read_text(errors="replace").splitlines()[-4:]
+        tails.append(f"--- {err.name}\n" + "\n".join(line[:300] for line in lines))
+    if tails:
+        report.sections.append(("peers' stderr (last lines)", "\n".join(tails)))
+
+
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     """Peers of run `t` on 127.0.0.1 (quiet, one thread each), their logs in the test's folder;

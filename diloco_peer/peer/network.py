@@ -35,7 +35,7 @@ from diloco_peer.coordinator_free.reachability import DialBackServer
 from diloco_peer.coordinator_free.state_transfer import StateBlob, StateServer
 from diloco_peer.errors import BadInput, ManifestError, P2PServiceStopped
 from diloco_peer.identity import Identity
-from diloco_peer.lifeline import Lifeline, end_orphans
+from diloco_peer.lifeline import Lifeline, end_orphans, live_holders
 from diloco_peer.p2p.dht import PeerDHT
 from diloco_peer.p2p.service import P2PService
 from diloco_peer.peer.catch_up import SwarmDownloads
@@ -61,11 +61,16 @@ BOOTSTRAP_BACKOFF_S = 2.0
 def start_lifeline(identity: Identity, tmp: Path) -> tuple[Lifeline, Path]:
     """The watcher that ends this peer's DHT process and daemon with it and removes `tmp`
     (lifeline.py), once what a dead previous run with this key left behind is ended; and the
-    key file for the daemon, in `tmp`."""
+    key file for the daemon, in `tmp`. BadInput if a running peer on this machine holds the key."""
+    key = identity.to_bytes()
+    holders = live_holders(key)
+    if holders:
+        raise BadInput(f"this peer's key ({identity.peer_id_str}) is already taken by a running "
+                       f"peer on this machine (process {holders[0]}); stop it or use another "
+                       "--identity")  # fmt: skip
     line = Lifeline.start()
     line.watch_path(tmp)
     line.own_folder(tmp)
-    key = identity.to_bytes()
     ended = end_orphans(key)
     if ended:
         log.warning("[%s] ended %d process(es) that a killed earlier run with this key left "
