@@ -201,7 +201,7 @@ def test_manifest_round_trip(signed: SignedManifest, owner: Identity) -> None:
     assert again == signed
     assert again.manifest.run == RunSpec(model="nano", seq_len=32, outer_lr=0.5)
     assert again.manifest.swarm.protocol == "async"
-    assert again.manifest.protocol_version == PROTOCOL_VERSION == 3
+    assert again.manifest.protocol_version == PROTOCOL_VERSION == 4
     assert again.owner_peer_id == owner.peer_id_str
     assert again.digest == hashlib.sha256(again.canonical).hexdigest() == signed.digest
     assert again.to_bytes() == data

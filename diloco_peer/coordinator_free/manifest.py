@@ -34,10 +34,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10: no TOML reader in the standard library
     tomllib = None
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped whenever peers of different builds could no longer train together (2: heads carry
 `utilization`, which a build of 1 refuses as an unknown field; 3: contribution headers carry
-`expected`, two-stage averaging)."""
+`expected`, two-stage averaging; 4: heads carry `since`, with fragments a version moves one
+fragment)."""
 MAX_MANIFEST_BYTES = 64 * 1024
 RUN_NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
 

@@ -86,6 +86,7 @@ class HeadRecord(pydantic.BaseModel):
     gpu_mem_mb: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
     eta: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
     utilization: pydantic.confloat(strict=True, ge=0.0, le=1.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
+    since: pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False) | None = None  # type: ignore[valid-type]
     plan: (
         dict[
             pydantic.constr(strict=True, regex=r"^(0|[1-9][0-9]{0,6})$"),  # type: ignore[valid-type]
@@ -162,6 +163,9 @@ class PeerHead:
     utilization: float | None = None
     """Share of the wall time of the peer's last round that it trained (compute over wall
     seconds, `Counters.utilization`); None before its first applied round."""
+    since: float | None = None
+    """DHT time at which the publishing process started (its incarnation): two processes that
+    sign heads with one key tell each other apart by it (key_watch.py)."""
 
     def __post_init__(self) -> None:
         # Accept ints for float fields (speed=0), as the wire schema will not.
@@ -175,6 +179,7 @@ class PeerHead:
             "gpu_mem_mb",
             "eta",
             "utilization",
+            "since",
         ):
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from diloco_peer.errors import ConfigError
 from diloco_peer.peer.chaos import Chaos
 
-FAULTS = ("kill-in-group", "alone-rounds")
+FAULTS = ("kill-in-group", "alone-rounds", "unchecked-key")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +27,10 @@ class FaultPlan:
     """Once it has trained, this peer does not see the others' heads for its first N rounds, so
     two such peers apply their own δ alone at the same version and fork the state (it still
     waits for `expected_peers` before training); 0: never."""
+    unchecked_key: int = 0
+    """1: start without the checks that the key is free (on this machine and hivemind's lookup
+    through the --swarm peers), as when that lookup misses a live holder on a loaded machine;
+    the heads then show the two processes each other (key_watch.py)."""
     chaos: Chaos | None = None
     """Misbehave as a hostile peer would (chaos.py)."""
 

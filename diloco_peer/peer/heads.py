@@ -11,11 +11,14 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
+from hivemind.utils import get_dht_time
 
 from diloco_peer.coordinator_free import records
+from diloco_peer.coordinator_free.key_watch import KeyWatch, Rival
 from diloco_peer.coordinator_free.manifest import SignedManifest
 from diloco_peer.coordinator_free.rejoin import Rejoiner
 from diloco_peer.coordinator_free.swarm_view import HEAD_TTL_S, HeadBook, SwarmView
+from diloco_peer.errors import BadInput
 from diloco_peer.identity import Identity
 from diloco_peer.lifecycle import ThreadPart
 from diloco_peer.peer.chaos import Behaviour
@@ -133,8 +136,14 @@ class HeadChannel:
         facts: Facts,
         faults: FaultPlan,
         manifest: SignedManifest | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self._dht, self._identity, self._run = dht, identity, run_name
+        self.since, self._stop = get_dht_time(), stop
+        self._keys = KeyWatch(self.since)
+        self.taken: Rival | None = None
+        """Another live process that started before this one holds our key: we leave."""
+        self._warned: set[float] = set()
         self._chaos = faults.chaos.behaviour() if faults.chaos is not None else Behaviour()
         self._manifest = None if manifest is None else ManifestKeeper(manifest, identity)
         rival = None if manifest is None else self._chaos.manifest(manifest, identity)
@@ -168,6 +177,7 @@ class HeadChannel:
             bans=self._facts.bans(),
             client=self._facts.client_mode(),
             utilization=self._counters.utilization,
+            since=self.since,
             **self._facts.resources(),
         )
         return self._chaos.head(head)
@@ -175,7 +185,7 @@ class HeadChannel:
     def publish(self, in_group: bool = False, leaving: bool = False) -> None:
         """Store this peer's head; a DHT that does not answer in time is logged, not raised."""
         dht = self._dht()
-        if dht is None:
+        if dht is None or (leaving and self.taken is not None):  # its departure is not ours
             return
         head = self.head(in_group, leaving)
         try:
@@ -230,6 +240,7 @@ class HeadChannel:
         c = self._counters
         hidden = self._faults.hides_others(c.rounds_done, c.started_training)
         with self._book_lock:
+            self._watch_key(heads.get(self.me))
             now = time.time()
             self.book.merge(heads, now)
             self.book.forget(now)
@@ -237,6 +248,28 @@ class HeadChannel:
             if hidden:
                 return {p: h for p, h in self.book.seen.items() if p == self.me}, departed
             return self.book.live(time.time()), departed
+
+    def _watch_key(self, head: records.PeerHead | None) -> None:
+        """Another live process with our key (key_watch.py): the later of the two leaves."""
+        rival = self._keys.see(head)
+        if rival is None or self.taken is not None or rival.since in self._warned:
+            return
+        self._warned.add(rival.since)
+        if rival.newer:
+            log.warning("[%s] another process started with this peer's key; it will leave",
+                        self.me[-6:])  # fmt: skip
+            return
+        log.error("[%s] this peer's key is already taken by another running peer; leaving",
+                  self.me[-6:])  # fmt: skip
+        self.taken = rival
+        if self._stop is not None:
+            self._stop.set()
+
+    def check_key(self) -> None:
+        """BadInput if this process left because another live one holds its key."""
+        if self.taken is not None:
+            raise BadInput(f"this peer's key ({self.me}) is already taken by another running "
+                           "peer, which started first; stop it or use another --identity")  # fmt: skip
 
     def mark_absent(self, expected: Iterable[str], present: Collection[str], now: float,
                     *, until: float | None = None) -> None:  # fmt: skip

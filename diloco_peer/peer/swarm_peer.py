@@ -144,7 +144,8 @@ class SwarmPeer:
         ckpt = peer_checkpoint.checkpoint_path(self.spec.checkpoint_dir, self.spec.run_name)
         if ckpt is not None and not ckpt.exists():  # bad input fails before the network starts
             peer_checkpoint.check_writable(ckpt, self.peer_id)
-        self.lifeline, key_path = start_lifeline(self.identity, Path(self._tmp.name))
+        checked = not self.faults.unchecked_key  # a test's stand-in for a check that missed
+        self.lifeline, key_path = start_lifeline(self.identity, Path(self._tmp.name), checked)
         allowlist = load_allowlist(self.spec.allowlist, self.spec.run_name, self.peer_id)
         allowed = None if allowlist is None else allowlist.peer_ids
         validators = records.record_validators(self.identity, self.spec.run_name, allowed)
@@ -154,7 +155,7 @@ class SwarmPeer:
         probing = self.founding is None and not self.spec.client_mode and not self.spec.announce
         self.node = open_node(self.spec, key_path, validators, port=self.spec.port,
                               client_mode=self.spec.client_mode or probing,
-                              lifeline=self.lifeline)  # fmt: skip
+                              identity_checked=checked, lifeline=self.lifeline)  # fmt: skip
         stored = peer_checkpoint.stored_manifest(ckpt, self.spec.run_name)
         signer = allowlist.owner_peer_id if allowlist else None
         self.signed = agree_on_manifest(self.node.dht, self.identity, self.spec.run_name,
@@ -214,6 +215,7 @@ class SwarmPeer:
             lambda: self.node.dht if self.node else None, self.identity, spec.run_name,
             allow=self._allowed, replica=self.replica, counters=self.counters,
             activity=self.activity, facts=facts, faults=self.faults, manifest=self.signed,
+            stop=self._stop,
         )  # fmt: skip
         self.phase = Phase(
             self.training, run=run, swarm=swarm, me=self.peer_id, pinned_shard=spec.shard,
@@ -297,6 +299,7 @@ class SwarmPeer:
             self.run_end.finish()
         except StopRequested:
             self.overlap.wait()  # its δ is applied or kept before the checkpoint
+        self.heads.check_key()  # another live process with our key: exit 2
 
     def run_round(self) -> RoundOutcome | None:
         """One phase and its round; None when the run reached its end before δ could be
