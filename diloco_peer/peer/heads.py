@@ -306,9 +306,16 @@ class HeadChannel:
         live, departed = self._merge(self._read_heads())
         return SwarmView(self.me, *self._replica.at(), live, departed)
 
-    def rejoiner(self, initial: Sequence[str], events: EventLog) -> Rejoiner:
+    def rejoiner(
+        self, initial: Sequence[str], events: EventLog, paused: threading.Event
+    ) -> Rejoiner:
         """A `Rejoiner` for this peer's DHT that knows the heads this channel read, and writes a
-        `dht_rejoin` event (with the peers that came back) when it mended the routing table."""
+        `dht_rejoin` event (with the peers that came back) when it mended the routing table.
+        It then publishes our head at once (not while paused): a head stored during a partition
+        reached our side's nodes only, and a peer that formed groups without us holds us
+        absent until it reads a newer head. Waiting for the heartbeat (up to HEAD_TTL_S / 4)
+        let the other side commit several versions of its own after the heal (CI: 4, and the
+        fork probe then found no record to tell our branch had lost)."""
 
         def rejoined(peers: list[str]) -> None:
             log.info("[%s round=%d] DHT: %d peer(s) back in the routing table", self.me[-6:],
@@ -318,6 +325,9 @@ class HeadChannel:
                 state_hash=self._replica.published_hash, group_size=0,
                 loss=self._counters.last_loss, peers=peers,
             )  # fmt: skip
+            stopping = self._stop is not None and self._stop.is_set()  # it says it is leaving
+            if not paused.is_set() and not stopping:
+                self.publish()
 
         return Rejoiner(self._dht, self.me, initial=initial, heads=self.seen,
                         on_rejoined=rejoined, timeout_s=DHT_TIMEOUT_S)  # fmt: skip

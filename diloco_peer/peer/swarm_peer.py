@@ -181,7 +181,8 @@ class SwarmPeer:
         self.heads.publish()
         self.heartbeat = Heartbeat(self.heads.publish, self._paused)
         self.heartbeat.start()
-        self.rejoiner = self.heads.rejoiner(initial_peer_ids(self.spec.swarm), self.events)
+        self.rejoiner = self.heads.rejoiner(initial_peer_ids(self.spec.swarm), self.events,
+                                            self._paused)  # fmt: skip
         self.rejoiner.start()  # the DHT is whole again after a network partition (rejoin.py)
         self._start_metrics()
         self._ready = True
