@@ -138,8 +138,8 @@ def test_a_second_process_with_a_live_key_that_the_start_checks_missed_leaves(
     left_after_s = time.monotonic() - started
     err = (tmp_path / "dup.err").read_text().strip().splitlines()
     assert "already taken" in err[-1] and not any("Traceback" in line for line in err), err
+    # (b may or may not have seen two of dup's heads before dup left: it need not notice)
     assert b.poll() is None and a.poll() is None
-    assert "another process started with this peer's key" in (tmp_path / "b.err").read_text()
 
     # b trains on with a, on one branch
     rounds_before = sum(1 for e in read_log(log_b) if e["event"] == "round")
