@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 from diloco_peer import procfs
@@ -237,12 +238,8 @@ def end_orphans(key: bytes) -> int:
     before it could clean up), with their DHT process; how many processes were ended. A daemon
     whose peer still runs is left alone: that key is in use, which the caller reports."""
     doomed: list[int] = []
-    for pid in procfs.daemons_with_identity(key):
-        daemon = procfs.stat(pid)
-        if daemon is None:
-            continue
-        dht = procfs.stat(daemon.ppid)
-        if dht is not None and _peer_alive(dht):
+    for pid, dht, alive in _key_daemons(key):
+        if alive:
             continue
         doomed.append(pid)
         if dht is not None and dht.pid > 1 and procfs.exe(dht.pid) == procfs.exe(os.getpid()):
@@ -261,13 +258,19 @@ def live_holders(key: bytes) -> list[int]:
     ids): a second peer with that key must not start. This does not rest on the swarm: hivemind's
     own check (a libp2p lookup of the peer id through the --swarm peers) can miss a live holder
     on a loaded machine, and two daemons with one key break both peers' connections."""
-    holders = []
+    holders = {dht.ppid for _, dht, alive in _key_daemons(key) if alive and dht is not None}
+    return sorted(holders)
+
+
+def _key_daemons(key: bytes) -> Iterator[tuple[int, procfs.Stat | None, bool]]:
+    """Each running libp2p daemon holding `key`: its pid, its parent (the peer's DHT process,
+    None once gone) and whether the peer that DHT process was forked from still runs."""
     for pid in procfs.daemons_with_identity(key):
         daemon = procfs.stat(pid)
-        dht = procfs.stat(daemon.ppid) if daemon is not None else None
-        if dht is not None and _peer_alive(dht):
-            holders.append(dht.ppid)
-    return sorted(set(holders))
+        if daemon is None:
+            continue
+        dht = procfs.stat(daemon.ppid)
+        yield pid, dht, dht is not None and _peer_alive(dht)
 
 
 def _peer_alive(dht: procfs.Stat) -> bool:
