@@ -64,6 +64,35 @@ def test_a_paused_peer_sends_no_heartbeat() -> None:
     heartbeat.shutdown()
 
 
+@pytest.mark.timeout(30)
+def test_a_head_asked_for_is_stored_at_once_and_the_caller_does_not_wait() -> None:
+    stored: list[float] = []
+    gate = threading.Event()
+
+    def publish() -> None:  # a DHT store that takes a while, as behind a busy link
+        gate.wait(5.0)
+        stored.append(time.monotonic())
+
+    wake = threading.Event()
+    heartbeat = Heartbeat(publish, threading.Event(), period_s=60.0, wake=wake)
+    heartbeat.start()
+    heartbeat.wait_until_ready(1.0)
+    t0 = time.monotonic()
+    wake.set()  # HeadChannel.publish_soon: what the training thread calls
+    assert time.monotonic() - t0 < 0.05
+    time.sleep(0.1)
+    wake.set()  # asked again while the first store is under way: one more store, not lost
+    gate.set()
+    assert wait_until(lambda: len(stored) >= 2)
+    assert stored[-1] - t0 < 5.0  # long before the 60 s beat
+    time.sleep(0.2)
+    assert len(stored) == 2  # nothing asked since: no store until the next beat
+    t1 = time.monotonic()
+    heartbeat.shutdown()
+    assert time.monotonic() - t1 < 2.0  # out of its 60 s wait at once
+    assert not any(t.name == "heartbeat" and t.is_alive() for t in threading.enumerate())
+
+
 class Slow(BackgroundPart):
     def __init__(self) -> None:
         super().__init__()

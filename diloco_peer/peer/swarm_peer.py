@@ -179,7 +179,7 @@ class SwarmPeer:
         self._resume(ckpt)
         self.replica.snapshot()
         self.heads.publish()
-        self.heartbeat = Heartbeat(self.heads.publish, self._paused)
+        self.heartbeat = Heartbeat(self.heads.publish, self._paused, wake=self.heads.wake)
         self.heartbeat.start()
         self.rejoiner = self.heads.rejoiner(initial_peer_ids(self.spec.swarm), self.events,
                                             self._paused)  # fmt: skip
@@ -222,7 +222,7 @@ class SwarmPeer:
             self.training, run=run, swarm=swarm, me=self.peer_id, pinned_shard=spec.shard,
             throttle=spec.throttle, activity=self.activity, counters=self.counters,
             in_flight=self.heads.in_flight, carried=self.ledger.carried,
-            controls=Controls(self._stop, self._paused, self.on_step, self.heads.publish,
+            controls=Controls(self._stop, self._paused, self.on_step, self.heads.publish_soon,
                               self.heads.view, self.finished),
         )  # fmt: skip
         self.overlap = Overlap(trainer, lambda: self.state.theta, swarm, self.activity,
