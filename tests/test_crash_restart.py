@@ -15,6 +15,7 @@ import pytest
 from conftest import FAST_RUN
 
 from diloco_peer import procfs
+from diloco_peer.errors import LocalPeerFailed
 from diloco_peer.identity import Identity
 from diloco_peer.local_swarm import LocalSwarm, branches, kill_main
 from diloco_peer.peer.events import read_log
@@ -130,13 +131,26 @@ def test_a_second_process_with_a_live_key_that_the_start_checks_missed_leaves(
     b, log_b = swarm.start("b", "--swarm", maddr, "--identity", str(key))
     swarm.wait_event(log_b, "round", 120, proc=b)
 
-    dup, log_dup = swarm.start("dup", "--swarm", maddr, "--identity", str(key),
-                               "--fault", "unchecked-key=1")  # fmt: skip
-    started = time.monotonic()
-    swarm.wait_event(log_dup, "start", 90, proc=dup)  # it did start: no check stopped it
+    # With the key live in b, hivemind's reachability ping at the node's start may reach b or
+    # time out and refuse the node (exit 2, one line: CI saw it once); that is a clean leave too,
+    # but not the watch this test is for, so such a start is tried again.
+    for attempt in range(1, 4):
+        name = f"dup{attempt}"
+        dup, log_dup = swarm.start(name, "--swarm", maddr, "--identity", str(key),
+                                   "--fault", "unchecked-key=1")  # fmt: skip
+        started = time.monotonic()
+        try:
+            swarm.wait_event(log_dup, "start", 90, proc=dup)  # it did start: no check stopped it
+            break
+        except LocalPeerFailed:
+            err = (tmp_path / f"{name}.err").read_text().strip().splitlines()
+            assert dup.returncode == 2 and "network node" in err[-1], err
+            assert not any("Traceback" in line for line in err), err
+    else:
+        pytest.fail("the duplicate's node was refused at start three times")
     assert dup.wait(timeout=180) == 2
     left_after_s = time.monotonic() - started
-    err = (tmp_path / "dup.err").read_text().strip().splitlines()
+    err = (tmp_path / f"{name}.err").read_text().strip().splitlines()
     assert "already taken" in err[-1] and not any("Traceback" in line for line in err), err
     # (b may or may not have seen two of dup's heads before dup left: it need not notice)
     assert b.poll() is None and a.poll() is None
