@@ -23,8 +23,8 @@ Failed checks are reported; the exit status is 1 only if a run crashed or timed 
     python bench/overlap.py --repeats 3 --json bench/results/overlap_netlab.json \\
         --markdown docs/results.md
 
-`--fold mix --keep 0.5 --start-from group` runs the rule within 1.02 of blocking in the
-simulator (docs/results.md); without them, the swarm's defaults (`rebase`, κ 1, `phase`).
+Without `--fold`, `--keep`, `--start-from`, the swarm's default rule (`mix`, κ 0.5, from the
+group: `SwarmSettings.fold`); `--fold rebase` runs the older one (κ 1, from the phase).
 
 Prints progress on stderr and one JSON document on stdout. Every process is killed by process
 group and every namespace deleted on the way out.

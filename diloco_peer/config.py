@@ -2,15 +2,15 @@
 
 `RunSpec` describes one training run and `SwarmSettings` how its rounds run; both are shared by
 every peer of a swarm (they become the signed run manifest), and `default_run` is the built-in
-pair. `PeerSpec` is this machine only; `SimSpec` adds what only the simulator needs. Every field
-is validated in `__post_init__`, which raises `ConfigError` with a readable message. Choices are
-`Literal` types, and each tuple of names is derived from its Literal.
+pair; `SimSpec` adds what only the simulator needs (this machine's own settings, `PeerSpec`, are
+in peer_spec.py). Every field is validated in `__post_init__`, which raises `ConfigError` with a
+readable message. Choices are `Literal` types, and each tuple of names is derived from its
+Literal.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -59,7 +59,6 @@ it (`own`), or the term its group shares, added when it is applied (`shared`, th
 ShardMode = Literal["iid", "non-iid"]
 Protocol = Literal["sync", "async"]
 Weighting = Literal["uniform", "samples"]
-Device = Literal["auto", "cpu", "cuda"]
 
 # The choices as tuples, for messages, loops and CLI checks: one definition each, the Literal.
 MODEL_PRESETS: tuple[ModelPreset, ...] = get_args(ModelPreset)
@@ -84,10 +83,6 @@ MAX_SAFETENSORS_HEADER_BYTES = 1 << 20
 checkpoint file): ours take ~100 bytes a tensor plus a little metadata, tens of kB for the
 largest preset's peer checkpoint, while the safetensors library accepts 100 MB, and 14 MB of
 hostile header JSON made 175 MB of Python objects. Checked before any header is parsed."""
-
-
-_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")
-"""A base58 peer id, as `diloco-peer keygen` prints it."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -196,13 +191,13 @@ class SimSpec:
     """Overlapped rounds (ALGORITHMS §1.1): a worker starts its next phase as soon as its own
     ends and folds the new θ_global in once the all-reduce is done. `eager` starts it from the
     outer step previewed with its own δ, `local` from its own last local θ."""
-    overlap_fold: FoldRule = "rebase"
-    """How an overlapped phase folds θ_global in (`sim.worker.Fold`: rebase or mix); the
-    swarm's default (SwarmSettings.overlap_fold)."""
-    overlap_keep: float = 1.0
+    overlap_fold: FoldRule = "mix"
+    """How an overlapped phase folds θ_global in (`sim.worker.Fold`: rebase, mix or pull); the
+    swarm's default (SwarmSettings.fold)."""
+    overlap_keep: float = 0.5
     """The fold's share of the local progress kept (1: all of it; 0: restart from θ_global);
     the swarm's default."""
-    overlap_from: OverlapFrom = "phase"
+    overlap_from: OverlapFrom = "group"
     """When an overlapped phase starts: at the end of the worker's own phase (`phase`: the
     wait for the group's slowest member is trained through too) or once its group is complete
     (`group`: only the all-reduce is)."""
@@ -317,16 +312,17 @@ class SwarmSettings:
     """Overlapped rounds (ALGORITHMS §1.1): a peer hands its δ to a round in the background
     and trains its next phase at once from its own parameters, folding θ_global in when the
     round ends. Off: every round blocks training until its outer step is applied."""
-    overlap_fold: FoldRule = "rebase"
+    overlap_fold: FoldRule | None = None
     """The overlapped fold: `rebase` (its δ is the phase's own progress, as a blocking δ) or
     `mix` (Streaming DiLoCo's merge; its δ carries the group's last average in place of the
-    peer's own last δ, so that honest δs pass the screens: ALGORITHMS §1.1)."""
-    overlap_keep: float = 1.0
-    """The fold's share κ of the local progress kept (`mix`: Streaming DiLoCo's α, 0.5)."""
-    overlap_from: OverlapFrom = "phase"
+    peer's own last δ, so that honest δs pass the screens: ALGORITHMS §1.1). Unset: `fold`."""
+    overlap_keep: float | None = None
+    """The fold's share κ of the local progress kept. Unset: 0.5 with `mix` (Streaming
+    DiLoCo's α), 1 with the others."""
+    overlap_from: OverlapFrom | None = None
     """When an overlapped phase starts: at the hand-off (`phase`) or once the round's group is
     formed and its all-reduce starts (`group`: the wait for slower peers is not trained
-    through, only the all-reduce and the outer step)."""
+    through, only the all-reduce and the outer step). Unset: `group` with `mix`, else `phase`."""
     fragments: int = 1
     """Streaming DiLoCo's fragments (docs/algorithms.md §1.3): the update at version v moves
     fragment v mod `fragments` alone, after H / `fragments` steps (sync; 1: the whole model)."""
@@ -354,11 +350,11 @@ class SwarmSettings:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         finite("start_timeout_s", self.start_timeout_s, 0, strict=False)
-        choice("fold rule", self.overlap_fold, get_args(FoldRule))
-        choice("overlap start", self.overlap_from, get_args(OverlapFrom))
-        if not (is_finite(self.overlap_keep) and 0 <= self.overlap_keep <= 1):
-            raise ConfigError(f"overlap_keep must be in [0, 1], got {self.overlap_keep}")
-        fragments_fit(self.fragments, self.protocol, self.overlap, self.overlap_fold)
+        choice("fold rule", self.fold, get_args(FoldRule))
+        choice("overlap start", self.start_from, get_args(OverlapFrom))
+        if not (is_finite(self.keep) and 0 <= self.keep <= 1):
+            raise ConfigError(f"overlap_keep must be in [0, 1], got {self.keep}")
+        fragments_fit(self.fragments, self.protocol, self.overlap, self.fold)
         if self.protocol == "async" and self.grace_s <= 0:
             raise ConfigError("async mode needs grace_s > 0: peers finishing together must meet")
 
@@ -366,7 +362,25 @@ class SwarmSettings:
     def mixes(self) -> bool:
         """Overlapped rounds with the `mix` fold: δs carry the term their group shares and
         downloads step to the head (ALGORITHMS §1.1)."""
-        return self.overlap and self.overlap_fold == "mix"
+        return self.overlap and self.fold == "mix"
+
+    @property
+    def fold(self) -> FoldRule:
+        """`overlap_fold`, or where unset the rule measured best in both protocols, `mix`
+        (docs/results.md, issue 18); with fragments, which need it (`fragments_fit`), `rebase`."""
+        return self.overlap_fold or ("rebase" if self.fragments > 1 else "mix")
+
+    @property
+    def keep(self) -> float:
+        """`overlap_keep`, or where unset 0.5 with `mix` and 1 with the other folds."""
+        if self.overlap_keep is not None:
+            return self.overlap_keep
+        return 0.5 if self.fold == "mix" else 1.0
+
+    @property
+    def start_from(self) -> OverlapFrom:
+        """`overlap_from`, or where unset `group` with `mix` (measured with it) and `phase`."""
+        return self.overlap_from or ("group" if self.fold == "mix" else "phase")
 
     def grace(self, phase_s: float | None) -> float:
         """The async grace period around a phase of `phase_s` seconds (None: not measured)."""
@@ -380,7 +394,11 @@ class SwarmSettings:
         """Rebuild from `to_dict()` output; unknown or ill-typed fields raise ConfigError."""
         return cls(
             **checked_fields(
-                cls, data, "swarm setting", "swarm settings must be a table / JSON object"
+                cls,
+                data,
+                "swarm setting",
+                "swarm settings must be a table / JSON object",
+                unset={"overlap_fold": str, "overlap_keep": float, "overlap_from": str},
             )
         )
 
@@ -398,103 +416,3 @@ def default_run(
         protocol="sync" if protocol == "sync" else "async",
         sync_timeout_s=30.0, allreduce_timeout_s=60.0, grace_s=2.0,
     )  # fmt: skip
-
-
-@dataclass(kw_only=True, frozen=True)
-class PeerSpec:
-    """This machine only: how it joins and trains. Never part of the signed manifest."""
-
-    run_name: str = "default"
-    """Run to found or join (DHT keys are prefixed with it)."""
-    swarm: tuple[str, ...] = ()
-    """Multiaddrs of peers already in the swarm; empty founds a new swarm."""
-    config: str | None = None
-    """run.toml for a founding peer ([run] and [swarm] tables); None uses the built-in run."""
-    host: str = "0.0.0.0"
-    """Interface to listen on."""
-    port: int = 0
-    """TCP port; 0 picks a free one."""
-    announce: tuple[str, ...] = ()
-    """Multiaddrs others should dial (behind NAT or port forwarding)."""
-    identity: str | None = None
-    """Key file from `diloco-peer keygen`; None makes a throwaway identity."""
-    device: Device = "auto"
-    """Where the inner steps run: auto (CUDA when present), cpu or cuda."""
-    micro_batch_size: int = 0
-    """Sequences per forward/backward; 0 means the run's batch (no accumulation); -1 picks the
-    largest that fits the device's memory (probed on CUDA; the run's batch on CPU)."""
-    checkpoint_dir: str | None = None
-    """Save a checkpoint here (every swarm.checkpoint_every versions and on stop); resume from it."""
-    max_rounds: int = 0
-    """Stop after this many applied rounds; 0 runs until interrupted."""
-    until_version: int = 0
-    """Stop once the swarm state reaches this version; 0 means no such limit."""
-    until_steps: int = 0
-    """Stop once the swarm state holds this many applied local steps (all peers together,
-    counted from the replicated per-shard samples); 0 means no such limit."""
-    log_json: str | None = None
-    """Append one JSON object per event to this file."""
-    data: str | None = None
-    """Train on this local data instead of the swarm's shards (consortium mode)."""
-    threads: int = 0
-    """torch intra-op threads; 0 leaves torch's default."""
-    shard: int = -1
-    """Train only on this shard, walked in its canonical order (the simulator's); -1 lets the
-    swarm's sampler pick a shard each phase. For reproducing `simulate` runs, and for run
-    owners who assign shards to peers."""
-    throttle: float = 1.0
-    """Emulate a slower device: pad each inner step so the peer runs this many times slower."""
-    record_updates: str | None = None
-    """Debug: write every update this peer applies (average, count, shards) to this folder."""
-    max_hours: float = 0.0
-    """Stop (checkpoint, leave) after this many hours; 0 means no limit."""
-    metrics_port: int = -1
-    """Serve Prometheus metrics on this port (0 picks one); -1 serves none."""
-    metrics_host: str = "127.0.0.1"
-    """Interface of the metrics endpoint."""
-    dashboard_port: int = -1
-    """Serve the swarm's health page (`diloco-peer dashboard`) on this port; -1 serves none."""
-    dashboard_host: str = "127.0.0.1"
-    """Interface of the health page (read-only)."""
-    tensorboard: str | None = None
-    """Write TensorBoard event files (one scalar per metric per round) into this folder."""
-    gpu_memory_fraction: float = 1.0
-    """CUDA only: the share of the GPU's memory this peer may use (the rest stays free)."""
-    allowlist: str | None = None
-    """Private swarm: the run owner's signed allowlist (`diloco-peer allow`). Only listed keys
-    are admitted to groups, have their DHT records accepted and may download the state."""
-    owner: str | None = None
-    """Joining: the run owner's peer id (the founder prints it). Manifests other keys publish
-    under the run's name are ignored. None: the allowlist's signer, the owner in this peer's
-    checkpoint, or the owner among the --swarm peers."""
-    client_mode: bool = False
-    """This machine cannot be dialed (a NAT or firewall refuses inbound connections): dial out
-    only. The peer trains and contributes to groups, but leads none, reduces no part and serves
-    no state, and its DHT node stores nothing for others (hivemind's client mode)."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        if self.owner is not None and not _PEER_ID.fullmatch(self.owner):
-            raise ConfigError(f"--owner must be a peer id (base58, Qm...), got {self.owner!r}")
-        if self.client_mode and self.announce:
-            raise ConfigError("--client-mode: nobody dials this peer, so --announce has no use")
-        if self.micro_batch_size < -1:
-            raise ConfigError(f"--batch-size must be 'auto' or >= 0, got {self.micro_batch_size}")
-        for name in ("max_rounds", "until_version", "until_steps", "threads"):
-            non_negative(name, getattr(self, name))
-        choice("device", self.device, get_args(Device))
-        if not (0 <= self.max_hours < float("inf")):
-            raise ConfigError(f"--max-hours must be a finite number >= 0, got {self.max_hours}")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
-        if not -1 <= self.dashboard_port <= 65535:
-            raise ConfigError(f"--dashboard-port must be in 0..65535, got {self.dashboard_port}")
-        if not 0 < self.gpu_memory_fraction <= 1:
-            raise ConfigError(
-                f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}"
-            )
-        if self.shard < -1:
-            raise ConfigError(f"--shard must be >= 0, got {self.shard}")
-        if not (self.throttle >= 1.0 and self.throttle < float("inf")):
-            raise ConfigError(f"--throttle must be a finite factor >= 1, got {self.throttle}")

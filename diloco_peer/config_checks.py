@@ -23,10 +23,13 @@ def non_negative(name: str, value: float) -> None:
         raise ConfigError(f"{name} must be >= 0, got {value}")
 
 
-def checked_fields(cls: type, data: Any, what: str, not_a_dict: str) -> dict[str, Any]:
+def checked_fields(
+    cls: type, data: Any, what: str, not_a_dict: str, unset: dict[str, type] | None = None
+) -> dict[str, Any]:
     """`data` (JSON or TOML) as keyword arguments of the dataclass `cls`: every key one of its
     fields, every value of its default's type (an int is a fine float, a bool never a number),
-    integers within MAX_INT; ConfigError naming `what` (or `not_a_dict`) otherwise."""
+    integers within MAX_INT; ConfigError naming `what` (or `not_a_dict`) otherwise. A field
+    whose default is None (unset) takes None or a value of its type in `unset`."""
     if not isinstance(data, dict):
         raise ConfigError(not_a_dict)
     defaults = cls()
@@ -35,6 +38,10 @@ def checked_fields(cls: type, data: Any, what: str, not_a_dict: str) -> dict[str
         raise ConfigError(f"unknown {what}(s): {', '.join(unknown)}")
     for name, value in data.items():
         default = getattr(defaults, name)
+        if default is None and value is None:
+            continue
+        if default is None:
+            default = (unset or {}).get(name, type(None))()
         kind = float if isinstance(default, float) else type(default)
         ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
         if not ok or isinstance(value, bool) != isinstance(default, bool):

@@ -300,6 +300,11 @@ def test_create_checks_its_input(owner: Identity, stranger: Identity) -> None:
     Manifest.create(
         RUN, RunSpec(prune_fraction=0.5), dataclasses.replace(mix, overlap=False), owner
     )
+    # `mix` is the overlapped default: pruning asks for `rebase` by name, and gets it
+    with pytest.raises(ManifestError, match='set overlap_fold = "rebase" to prune'):
+        Manifest.create(RUN, RunSpec(prune_fraction=0.5), SwarmSettings(overlap=True), owner)
+    rebase = SwarmSettings(overlap=True, overlap_fold="rebase")
+    assert Manifest.create(RUN, RunSpec(prune_fraction=0.5), rebase, owner).manifest.swarm.keep == 1
     with pytest.raises(ManifestError, match="run name"):
         Manifest.create("x" * 65, RunSpec(), SwarmSettings(), owner)
     manifest = Manifest(

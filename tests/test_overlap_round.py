@@ -307,7 +307,7 @@ def _demo(protocol: str, tmp: Path) -> tuple[dict, list[dict]]:
 
 
 # Slow phase: the default suite's overlapped peers are the kill and late-join test below (sync,
-# `rebase`); async overlapped peers also run in tests/test_swarm.py's kill test (slow too).
+# the default rule); async overlapped peers also run in tests/test_swarm.py's kill test (slow too).
 @pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(260)
@@ -336,12 +336,12 @@ def test_peers_train_through_their_rounds_and_agree(protocol: str, tmp_path: Pat
 
 
 OVERLAP_RUN = FAST_RUN + "overlap = true\n"
-MIX_FROM_GROUP = 'overlap_fold = "mix"\noverlap_keep = 0.5\noverlap_from = "group"\n'
-"""The rule within 1.02 of blocking in the simulator (docs/results.md)."""
+REBASE = 'overlap_fold = "rebase"\n'
+"""The other fold, with its own defaults (κ 1, from the phase): the default rule with fragments."""
 
 
-# Slow phase (`mix` is not the default fold): the report's rule is the unit tests above, the
-# screen's with the shared term in tests/test_robust.py.
+# Slow phase: the report's rule is the unit tests above, the screen's with the shared term in
+# tests/test_robust.py; the default suite's peers below mix too (the default rule).
 @pytest.mark.slow
 @pytest.mark.multipeer
 @pytest.mark.timeout(240)
@@ -352,7 +352,7 @@ def test_mixing_peers_train_through_the_all_reduce_and_pass_each_others_screens(
     # members' δs then differ by their phases' progress only, and the cosine screen (on by
     # default) excludes none of them. (Sending the own last δ, honest δs pointed apart.)
     cfg = tmp_path / "run.toml"
-    cfg.write_text(OVERLAP_RUN + MIX_FROM_GROUP + "expected_peers = 3\n")
+    cfg.write_text(OVERLAP_RUN + "expected_peers = 3\n")  # the default rule: mix from the group
     until = ["--until-version", "8"]
     a, log_a = swarm.start("a", "--config", str(cfg), *until)
     maddr = swarm.wait_event(log_a, "start", 90)["maddrs"][0]
@@ -370,9 +370,7 @@ def test_mixing_peers_train_through_the_all_reduce_and_pass_each_others_screens(
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "rule", ["", pytest.param(MIX_FROM_GROUP, marks=pytest.mark.slow, id="mix-from-group")]
-)
+@pytest.mark.parametrize("rule", ["", pytest.param(REBASE, marks=pytest.mark.slow, id="rebase")])
 def test_a_late_joiner_and_a_killed_peer_leave_one_branch(
     swarm: LocalSwarm, tmp_path: Path, rule: str
 ) -> None:
@@ -390,8 +388,9 @@ def test_a_late_joiner_and_a_killed_peer_leave_one_branch(
     d, log_d = swarm.start("d", "--swarm", maddr, *until)  # joins late: downloads the state
     caught = swarm.wait_event(log_d, "catch_up", 150)
     assert caught["version"] >= 2
-    # a mixing peer's download steps from the version below the head, to know the common term
-    assert caught["method"] == "download" and caught["stepped"] is bool(rule)
+    # a mixing peer's download (the default rule's) steps from the version below the head, to
+    # know the common term; a `rebase` peer's does not
+    assert caught["method"] == "download" and caught["stepped"] is (rule != REBASE)
     for proc in (a, b, d):
         assert proc.wait(timeout=200) == 0
     branch = branches(log_a, log_b, log_d)

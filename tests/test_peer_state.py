@@ -16,7 +16,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.config import RunSpec, SwarmSettings
 from diloco_peer.coordinator_free.dylu import SpeedMeter
 from diloco_peer.coordinator_free.manifest import Manifest
 from diloco_peer.coordinator_free.records import PeerHead
@@ -41,6 +41,7 @@ from diloco_peer.peer.phase import (
 from diloco_peer.peer.replica import Replica
 from diloco_peer.peer.telemetry import Counters, Gauges, RoundReport, TensorBoard, serve_metrics
 from diloco_peer.peer.trust import Guard
+from diloco_peer.peer_spec import PeerSpec
 
 OWNER = Identity.generate()
 SWARM = SwarmSettings()

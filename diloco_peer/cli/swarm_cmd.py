@@ -17,8 +17,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from diloco_peer.cli.app import app, configure_logging
-from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.config import RunSpec, SwarmSettings
 from diloco_peer.errors import BadInput
+from diloco_peer.peer_spec import PeerSpec
 
 if TYPE_CHECKING:
     from diloco_peer.demo import Demo

@@ -116,10 +116,11 @@ def dump_run_config(run: RunSpec, swarm: SwarmSettings) -> str:
             return repr(v)
         return json.dumps(str(v))  # a TOML basic string: JSON escapes are valid TOML escapes
 
+    # TOML has no null: an unset field (None, e.g. `overlap_fold`) is left out, as read back
     lines = ["[run]"]
-    lines += [f"{k} = {value(v)}" for k, v in run.to_dict().items()]
+    lines += [f"{k} = {value(v)}" for k, v in run.to_dict().items() if v is not None]
     lines += ["", "[swarm]"]
-    lines += [f"{k} = {value(v)}" for k, v in swarm.to_dict().items()]
+    lines += [f"{k} = {value(v)}" for k, v in swarm.to_dict().items() if v is not None]
     return "\n".join(lines) + "\n"
 
 
@@ -186,8 +187,9 @@ class Manifest:
         if self.swarm.mixes and self.run.prune_fraction > 0:
             # the reducers' screen takes the term a mix group shares out of each part; pruned
             # parts lack it where they were pruned, and a flipped δ then passed the screen
-            raise ManifestError("swarm overlap_fold 'mix' needs run prune_fraction 0: the "
-                                "cosine screen cannot take the shared term out of pruned δs")  # fmt: skip
+            raise ManifestError("swarm overlap_fold 'mix' (the overlapped default) needs run "
+                                "prune_fraction 0: the cosine screen cannot take the shared term "
+                                "out of pruned δs; set overlap_fold = \"rebase\" to prune")  # fmt: skip
         try:
             check_fragments(self.run, self.swarm)
         except ConfigError as e:

@@ -17,9 +17,9 @@ import statistics
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from diloco_peer.config import PeerSpec
 from diloco_peer.coordinator_free.dylu import dylu_phase_s, dylu_steps
 from diloco_peer.coordinator_free.records import PeerHead
+from diloco_peer.peer_spec import PeerSpec
 
 HEAD_TTL_S = 60.0
 """A head older than this is a peer that left; heartbeats refresh it every HEAD_TTL_S / 4."""

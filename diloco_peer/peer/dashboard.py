@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from diloco_peer.config import PeerSpec
 from diloco_peer.coordinator_free.dashboard import Timeline, dashboard_document
 from diloco_peer.coordinator_free.manifest import SignedManifest
 from diloco_peer.coordinator_free.records import PeerHead
@@ -28,6 +27,7 @@ from diloco_peer.errors import BadInput, SwarmTimeout
 from diloco_peer.lifecycle import BackgroundPart, ready_now
 from diloco_peer.peer.dashboard_page import PAGE
 from diloco_peer.peer.events import read_events
+from diloco_peer.peer_spec import PeerSpec
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ def common_term(swarm: SwarmSettings, replica: Damped) -> list[torch.Tensor] | N
     group keyed by v (ALGORITHMS §1.1). None for other rules, blocking rounds, and a replica
     that does not know it (`Replica.last_damping`)."""
     damping = replica.last_damping() if swarm.mixes else None
-    return None if damping is None else [swarm.overlap_keep * t for t in damping]
+    return None if damping is None else [swarm.keep * t for t in damping]
 
 
 @dataclass

@@ -26,7 +26,7 @@ from multiaddr import Multiaddr
 
 from diloco_peer.averaging.group_averager import GroupAverager
 from diloco_peer.averaging.robust import Aggregation
-from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.config import RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import reachability, records
 from diloco_peer.coordinator_free.allowlist import Allowlist
 from diloco_peer.coordinator_free.manifest import Manifest, SignedManifest
@@ -43,6 +43,7 @@ from diloco_peer.peer.faults import FaultPlan
 from diloco_peer.peer.heads import DHT_TIMEOUT_S, MANIFEST_EXPIRATION_S
 from diloco_peer.peer.replica import Replica
 from diloco_peer.peer.trust import Guard
+from diloco_peer.peer_spec import PeerSpec
 
 log = logging.getLogger(__name__)
 

@@ -57,8 +57,8 @@ class Overlap:
     ) -> None:
         self.trainer, self._theta, self._carried = trainer, theta, carried
         self._activity, self._counters = activity, counters
-        self.fold_rule, self.keep = swarm.overlap_fold, swarm.overlap_keep
-        self.start_from = swarm.overlap_from
+        self.fold_rule, self.keep = swarm.fold, swarm.keep
+        self.start_from = swarm.start_from
         self._thread: threading.Thread | None = None
         self._outcome: RoundOutcome | None = None
         self._error: BaseException | None = None

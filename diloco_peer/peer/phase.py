@@ -28,7 +28,7 @@ from hivemind.utils import get_dht_time
 from diloco_peer.averaging.fragments import fragment_parts
 from diloco_peer.averaging.outer import build_outer_optimizer
 from diloco_peer.averaging.state import ReplicatedState
-from diloco_peer.config import DEFAULT_SHARDS, PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.config import DEFAULT_SHARDS, RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.dylu import dylu_steps
 from diloco_peer.coordinator_free.sampler import fill_shards
@@ -46,6 +46,7 @@ from diloco_peer.peer.inner import (
 )
 from diloco_peer.peer.model import build_model, resolve_device
 from diloco_peer.peer.telemetry import Counters
+from diloco_peer.peer_spec import PeerSpec
 
 ETA_REFRESH_S = 1.0
 """Async: how often (at most) a training peer re-checks its phase's end and the extension loop

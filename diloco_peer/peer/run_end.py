@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from diloco_peer.config import PeerSpec, SwarmSettings
+from diloco_peer.config import SwarmSettings
 from diloco_peer.coordinator_free.swarm_view import swarm_end
 from diloco_peer.peer.delta import Contribution, Ledger
 from diloco_peer.peer.heads import Activity, HeadChannel
@@ -25,6 +25,7 @@ from diloco_peer.peer.phase import Training
 from diloco_peer.peer.replica import Replica
 from diloco_peer.peer.round import Round
 from diloco_peer.peer.telemetry import Counters, RoundReport
+from diloco_peer.peer_spec import PeerSpec
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ import torch
 
 from diloco_peer.averaging.contribution import Limits
 from diloco_peer.averaging.state import ReplicatedState
-from diloco_peer.config import PeerSpec, RunSpec, SwarmSettings
+from diloco_peer.config import RunSpec, SwarmSettings
 from diloco_peer.coordinator_free import records
 from diloco_peer.coordinator_free.reachability import Verdict
 from diloco_peer.coordinator_free.rejoin import Rejoiner
@@ -79,6 +79,7 @@ from diloco_peer.peer.telemetry import (
     serve_metrics,
 )
 from diloco_peer.peer.trust import Guard
+from diloco_peer.peer_spec import PeerSpec
 
 log = logging.getLogger(__name__)
 
