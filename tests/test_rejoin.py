@@ -111,3 +111,17 @@ def test_a_join_whose_swarm_peers_do_not_answer_at_once_tries_again_with_backoff
     with pytest.raises(BadInput, match="cannot start the peer's network node: address already"):
         start_dht(start, sleep=waits.append)  # type: ignore[arg-type]
     assert start.calls == 1
+
+
+def test_a_node_the_swarm_cannot_dial_back_is_refused_with_what_to_do() -> None:
+    # hivemind blames a firewall; the same words come when this key runs in another process
+    waits: list[float] = []
+    start = Starts(fails=1, reason="ValidationError: Peer QmX can't access this node. Probably, "
+                                   "libp2p has failed to bypass the firewall")  # fmt: skip
+    with pytest.raises(BadInput) as refused:
+        start_dht(start, sleep=waits.append)  # type: ignore[arg-type]
+    line = str(refused.value)
+    assert start.calls == 1 and not waits and "\n" not in line
+    assert line.startswith("cannot start the peer's network node: ")
+    for remedy in ("--port", "--announce", "--client-mode", "other process"):
+        assert remedy in line, remedy

@@ -172,6 +172,16 @@ def open_node(
     return Node(dht, service, client_mode)
 
 
+# hivemind's words when the --swarm peer pinged this node back at its announced address and got
+# no answer (a NAT or firewall, an address others cannot reach, or this key live in another process
+# that took the call), and what a user can do about each
+DIAL_BACK_REFUSED = "can't access this node"
+DIAL_BACK_HINT = (
+    "the --swarm peer could not dial this node back; let inbound TCP in on --port or give --announce "
+    "an address others reach, join with --client-mode to dial out only, or stop the other process "
+    "that runs this key")
+
+
 def start_dht(start: Callable[[], DHT], sleep: Callable[[float], None] = time.sleep) -> DHT:
     """`start()`, tried again (`BOOTSTRAP_TRIES` in all, with a growing wait) while it fails
     because none of the `--swarm` peers answered; BadInput when it fails for another reason
@@ -182,6 +192,8 @@ def start_dht(start: Callable[[], DHT], sleep: Callable[[float], None] = time.sl
             return start()
         except Exception as e:  # hivemind reports bad addresses and busy ports this way
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            if DIAL_BACK_REFUSED in reason:
+                raise BadInput(f"cannot start the peer's network node: {DIAL_BACK_HINT}") from None
             if "bootstrap" not in reason.lower():
                 raise BadInput(f"cannot start the peer's network node: {reason}") from None
             if attempt >= BOOTSTRAP_TRIES:
