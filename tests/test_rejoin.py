@@ -58,6 +58,17 @@ def test_a_peer_silent_for_two_pings_is_redialled_and_an_answer_ends_it() -> Non
     assert book.redial(["a", "b"]) == []
 
 
+def test_a_peer_whose_connection_carries_an_all_reduce_is_never_redialled() -> None:
+    # on a slow link the DHT's pings wait behind the all-reduce's bulk transfer; dropping the
+    # connection would cut the round's streams (both sides' rounds failed within 0.1 s)
+    book = RejoinBook("me")
+    book.note({"a": 0.0, "b": 0.0}, now=0.0)
+    for now in (0.0, 10.0):
+        book.record(["a", "b"], answered=set(), now=now)
+    assert book.redial(["a", "b"], busy={"a"}) == ["b"]
+    assert book.redial(["a", "b"], busy=frozenset()) == ["a", "b"]  # the round is over
+
+
 def test_heads_long_gone_are_forgotten_and_the_book_stays_bounded() -> None:
     book = RejoinBook("me", max_known=3, forget_s=100.0)
     book.note({"old": 0.0, "left": 0.0, "x": 150.0}, now=150.0)  # a departed head: updated 0

@@ -139,10 +139,16 @@ class RejoinBook:
         out.sort(key=lambda p: self.known[p].noted, reverse=True)
         return out[:limit]
 
-    def redial(self, peers: Iterable[str]) -> list[str]:
+    def redial(self, peers: Iterable[str], busy: Collection[str] = ()) -> list[str]:
         """Those of `peers` that have not answered REDIAL_AFTER pings in a row: their old
-        connections are dropped before the next ping."""
-        return [p for p in peers if p in self.known and self.known[p].failures >= REDIAL_AFTER]
+        connections are dropped before the next ping. Never those in `busy`, whose connection
+        carries a round's all-reduce now: on a slow link the DHT's pings wait behind its bulk
+        transfer, and dropping the connection cut the all-reduce (netlab, 2 Mbit, 20m: a failed
+        round in 3 of 10). A stalled one fails the round at its timeout; the redial follows."""
+        return [
+            p for p in peers
+            if p in self.known and self.known[p].failures >= REDIAL_AFTER and p not in busy
+        ]  # fmt: skip
 
     def record(self, pinged: Iterable[str], answered: Collection[str], now: float) -> None:
         """The outcome of pinging `pinged`: those in `answered` are back; the others wait
@@ -248,7 +254,8 @@ class Rejoiner(ThreadPart):
     """Keeps this peer's DHT whole across network partitions: every REJOIN_PERIOD_S it pings the
     swarm's peers it knows of (initial peers, heads, routing-table nodes) that are missing from
     its routing table, with backoff for those that do not answer (`RejoinBook`). `on_rejoined`
-    gets the peers that came back."""
+    gets the peers that came back; `busy()` says whose connections carry an all-reduce now
+    (never redialled)."""
 
     def __init__(
         self,
@@ -258,6 +265,7 @@ class Rejoiner(ThreadPart):
         initial: Sequence[str],
         heads: Callable[[], Mapping[str, PeerHead]],
         on_rejoined: Callable[[list[str]], None],
+        busy: Callable[[], Collection[str]] = frozenset,
         period_s: float = REJOIN_PERIOD_S,
         timeout_s: float = TABLE_TIMEOUT_S,
     ) -> None:
@@ -266,6 +274,7 @@ class Rejoiner(ThreadPart):
         )
         self._dht, self._initial, self._heads = dht, list(initial), heads
         self._on_rejoined, self._period_s, self._timeout_s = on_rejoined, period_s, timeout_s
+        self._busy = busy
         self.me, self.book = me, RejoinBook(me)
         self.routed = -1
         """Routing-table nodes at the last look (-1: not looked yet)."""
@@ -297,7 +306,8 @@ class Rejoiner(ThreadPart):
         due = self.book.due(routed, now)
         if not due:
             return []
-        answered = ping_peers(dht, due, timeout_s=PING_TIMEOUT_S, redial=self.book.redial(due))
+        redial = self.book.redial(due, busy=self._busy())
+        answered = ping_peers(dht, due, timeout_s=PING_TIMEOUT_S, redial=redial)
         self.book.record(due, answered, time.time())
         if answered:
             self._on_rejoined(sorted(answered))

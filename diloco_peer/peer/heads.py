@@ -60,6 +60,11 @@ class Activity:
     """Set when the round's group is formed and its all-reduce starts (cleared by
     `Overlap.start`): an overlapped phase with `overlap_from = "group"` starts then."""
 
+    exchanging: frozenset[str] = frozenset()
+    """The other members of the round's group while its all-reduce runs (set when the group is
+    formed, emptied when the averager returns): the DHT rejoiner never drops their connections
+    (`RejoinBook.redial`). Replaced whole, never changed in place: other threads read it."""
+
     def free_wait_s(self, now: float) -> float:
         """How long an async round may wait for peers at no cost to the device: while the next
         phase trains behind it (overlapped rounds), FREE_WAIT_SHARE of the time left to that
@@ -340,7 +345,8 @@ class HeadChannel:
                 self.publish()
 
         return Rejoiner(self._dht, self.me, initial=initial, heads=self.seen,
-                        on_rejoined=rejoined, timeout_s=DHT_TIMEOUT_S)  # fmt: skip
+                        on_rejoined=rejoined, busy=lambda: self._activity.exchanging,
+                        timeout_s=DHT_TIMEOUT_S)  # fmt: skip
 
 
 class Heartbeat(ThreadPart):

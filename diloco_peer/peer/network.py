@@ -179,7 +179,8 @@ DIAL_BACK_REFUSED = "can't access this node"
 DIAL_BACK_HINT = (
     "the --swarm peer could not dial this node back; let inbound TCP in on --port or give --announce "
     "an address others reach, join with --client-mode to dial out only, or stop the other process "
-    "that runs this key")
+    "that runs this key"
+)
 
 
 def start_dht(start: Callable[[], DHT], sleep: Callable[[float], None] = time.sleep) -> DHT:

@@ -175,6 +175,8 @@ class Round:
             self.counters.wait_s += time.time() - waited
             self._silent(e.silent)
             return self.keep(mine, f"all-reduce failed: {e}", t0)
+        finally:
+            self.activity.exchanging = frozenset()  # its streams are closed
         self.counters.wait_s += time.time() - waited
         self.guard.settle(result, self.replica.version)
         self.log_exclusions(loss)
@@ -211,8 +213,7 @@ class Round:
     ) -> tuple[str, Offer, float]:
         """Sign `mine` for a group keyed by our version and state (peers on two branches of a
         fork never average together: each would apply the average to another base), saying how
-        many peers our round waits for (`expected`: two-stage averaging), and, if `announce`,
-        say that we are looking for one."""
+        many peers our round waits for (`expected`: two-stage), and if `announce` that we look."""
         version, state_hash = self.replica.at()
         key = f"v{version}_{state_hash[:16]}"
         offer = self.guard.offer(
@@ -236,12 +237,13 @@ class Round:
 
     def _formed(self, admit: Callable[[Group], Admission]) -> Callable[[Group], Admission]:
         """`admit`, which the averager calls once our group is formed, telling the training
-        thread first (`Activity.formed`: an overlapped phase that starts with the all-reduce);
-        our reducer screens the parts' directions without the term they share (`common_term`)."""
+        thread (`Activity.formed`: an overlapped phase may start) and the DHT rejoiner first
+        (`Activity.exchanging`); our reducer screens directions without `common_term`."""
         term = common_term(self.swarm, self.replica)
         reference = None if term is None else torch.cat([t.reshape(-1) for t in term])
 
         def formed(group: Group) -> Admission:
+            self.activity.exchanging = frozenset(group.members) - {self.me}
             self.activity.formed.set()
             return dataclasses.replace(admit(group), reference=reference)
 
@@ -315,9 +317,8 @@ class Round:
     ) -> RoundOutcome:  # fmt: skip
         """Apply the group's average (ours alone when `result` is None, the combination of
         several groups' with `combined`): v -> v+1, identical on every member."""
-        ready = time.time()
+        ready, staleness = time.time(), self.replica.version - mine.base_version
         comm_s = ready - t0
-        staleness = self.replica.version - mine.base_version
         timings = {} if result is None else result.timings()
         if combined is not None:
             timings.update(combined.timings)
