@@ -15,10 +15,13 @@ import pytest
 
 from diloco_peer.averaging import hierarchy
 from diloco_peer.averaging.contribution import ContributionRejected
+from diloco_peer.averaging.matchmaking import Group
 from diloco_peer.coordinator_free.notes import Note, Notes
 from diloco_peer.coordinator_free.records import PeerHead
 from diloco_peer.coordinator_free.swarm_view import HeadChoice, SwarmView
+from diloco_peer.errors import AllReduceFailed
 from diloco_peer.peer import stage_two
+from diloco_peer.peer.heads import Activity
 from diloco_peer.peer.stage_two import StageTwo
 
 LEADER, ME, OTHER = "leader", "me", "other"
@@ -198,3 +201,38 @@ def test_a_combine_waits_for_one_more_groups_all_reduce_bounded_by_the_timeout()
     late = hierarchy.LATE_SLACK_S
     assert hierarchy.combine_window(10.0, 1.5, 60.0) == pytest.approx(10.0 + 3.0 + late)
     assert hierarchy.combine_window(10.0, 40.0, 60.0) == pytest.approx(70.0)  # the timeout
+
+
+def test_the_combine_groups_connections_are_never_redialled_while_its_all_reduce_runs() -> None:
+    # on a slow link the DHT's pings wait behind the combine's bulk transfer; the rejoiner must
+    # not drop the connections it uses (Activity.exchanging), and forgets them once it returns
+    seen: list[frozenset[str]] = []
+
+    class Averager:
+        def average(self, key: str, *args: Any, admit: Callable[[Group], Any], **kw: Any) -> Any:
+            admit(Group(key, b"g", (LEADER, ME, OTHER), (1.0, 1.0, 1.0), (b"", b"", b""),
+                        (False, False, False), b"d", LEADER))  # fmt: skip
+            seen.append(activity.exchanging)
+            raise AllReduceFailed("a member's stream broke")
+
+    activity = Activity()
+    rnd = SimpleNamespace(
+        me=ME, activity=activity, averager=Averager,
+        swarm=SimpleNamespace(group_size=2, allreduce_timeout_s=30.0),
+        guard=SimpleNamespace(admitted={}, allow=lambda peer: True,
+                              exclude_unproven=lambda excluded, version: None),
+    )  # fmt: skip
+    result = SimpleNamespace(contributors=[ME], average=[], allreduce_s=1.0)
+    rules = SimpleNamespace(version=3)
+    with pytest.raises(AllReduceFailed):
+        StageTwo()._combine(rnd, "key", rules, result, b"", 5.0)  # type: ignore[arg-type]
+    assert seen == [frozenset({LEADER, OTHER})]
+    assert activity.exchanging == frozenset()
+
+
+def test_a_state_download_spares_its_donors_until_it_ends_even_when_it_fails() -> None:
+    activity = Activity()
+    with pytest.raises(RuntimeError), activity.exchange(["d1", "d2"]):
+        assert activity.exchanging == {"d1", "d2"}
+        raise RuntimeError("the download broke")
+    assert activity.exchanging == frozenset()

@@ -142,7 +142,7 @@ class RejoinBook:
     def redial(self, peers: Iterable[str], busy: Collection[str] = ()) -> list[str]:
         """Those of `peers` that have not answered REDIAL_AFTER pings in a row: their old
         connections are dropped before the next ping. Never those in `busy`, whose connection
-        carries a round's all-reduce now: on a slow link the DHT's pings wait behind its bulk
+        carries a round's all-reduce or a state download now: on a slow link the DHT's pings wait behind its bulk
         transfer, and dropping the connection cut the all-reduce (netlab, 2 Mbit, 20m: a failed
         round in 3 of 10). A stalled one fails the round at its timeout; the redial follows."""
         return [
@@ -254,8 +254,8 @@ class Rejoiner(ThreadPart):
     """Keeps this peer's DHT whole across network partitions: every REJOIN_PERIOD_S it pings the
     swarm's peers it knows of (initial peers, heads, routing-table nodes) that are missing from
     its routing table, with backoff for those that do not answer (`RejoinBook`). `on_rejoined`
-    gets the peers that came back; `busy()` says whose connections carry an all-reduce now
-    (never redialled)."""
+    gets the peers that came back; `busy()` says whose connections carry our bulk transfer now
+    (an all-reduce, a state download: never redialled)."""
 
     def __init__(
         self,

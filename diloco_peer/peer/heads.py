@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
@@ -61,9 +62,20 @@ class Activity:
     `Overlap.start`): an overlapped phase with `overlap_from = "group"` starts then."""
 
     exchanging: frozenset[str] = frozenset()
-    """The other members of the round's group while its all-reduce runs (set when the group is
-    formed, emptied when the averager returns): the DHT rejoiner never drops their connections
-    (`RejoinBook.redial`). Replaced whole, never changed in place: other threads read it."""
+    """The peers whose connections carry our bulk transfer now: the other members of the round's
+    group while its all-reduce runs (set when the group is formed, stage two's combine group too,
+    emptied when the averager returns), the donors of a state download (`exchange`). The DHT
+    rejoiner never drops their connections (`RejoinBook.redial`). Replaced whole, never changed
+    in place: other threads read it."""
+
+    @contextmanager
+    def exchange(self, peers: Iterable[str]) -> Iterator[None]:
+        """`exchanging` is `peers` for the block, empty after it."""
+        self.exchanging = frozenset(peers)
+        try:
+            yield
+        finally:
+            self.exchanging = frozenset()
 
     def free_wait_s(self, now: float) -> float:
         """How long an async round may wait for peers at no cost to the device: while the next

@@ -209,6 +209,7 @@ class StageTwo:
         screened: dict[str, GroupMaterial] = {}
 
         def admission(group: Group) -> Admission:
+            rnd.activity.exchanging = frozenset(group.members) - {rnd.me}  # never redialled
             gathered = dict(zip(group.members, group.gathered, strict=True))
             screening = screen_combine(gathered, rules, rnd.guard.allow)
             screened.clear()
@@ -222,15 +223,18 @@ class StageTwo:
             )  # fmt: skip
 
         headers = {m: h for m, h in rnd.guard.admitted.items() if m in result.contributors}
-        combined = rnd.averager().average(
-            combine_key(key), result.average, weight=1.0, gather=raw,
-            target_size=combine_target(headers, rnd.swarm.group_size),
-            matchmaking_timeout_s=combine_window(
-                window_s, result.allreduce_s, rnd.swarm.allreduce_timeout_s
-            ),
-            allreduce_timeout_s=rnd.swarm.allreduce_timeout_s,
-            admit=admission,
-        )  # fmt: skip
+        try:
+            combined = rnd.averager().average(
+                combine_key(key), result.average, weight=1.0, gather=raw,
+                target_size=combine_target(headers, rnd.swarm.group_size),
+                matchmaking_timeout_s=combine_window(
+                    window_s, result.allreduce_s, rnd.swarm.allreduce_timeout_s
+                ),
+                allreduce_timeout_s=rnd.swarm.allreduce_timeout_s,
+                admit=admission,
+            )  # fmt: skip
+        finally:
+            rnd.activity.exchanging = frozenset()  # its streams are closed
         groups = [screened[d] for d in combined.contributors]
         traffic = (combined.bytes_sent, combined.bytes_received)
         return groups, combined.average, traffic, combined.timings()

@@ -364,7 +364,8 @@ class SwarmPeer:
         choice = self.catching_up.target(self.heads.view, hint, accept)
         if choice is None:
             return False
-        moved = self.catching_up.run(choice, probe_fork=self.ledger.owns(self.state.version))
+        with self.activity.exchange(choice.donors):  # the rejoiner spares their connections
+            moved = self.catching_up.run(choice, probe_fork=self.ledger.owns(self.state.version))
         if moved is None:
             return False
         self.counters.wait_s += moved.seconds
