@@ -142,9 +142,10 @@ class RejoinBook:
     def redial(self, peers: Iterable[str], busy: Collection[str] = ()) -> list[str]:
         """Those of `peers` that have not answered REDIAL_AFTER pings in a row: their old
         connections are dropped before the next ping. Never those in `busy`, whose connection
-        carries a round's all-reduce or a state download now: on a slow link the DHT's pings wait behind its bulk
-        transfer, and dropping the connection cut the all-reduce (netlab, 2 Mbit, 20m: a failed
-        round in 3 of 10). A stalled one fails the round at its timeout; the redial follows."""
+        carries a round's all-reduce or a state download now: on a slow link the DHT's pings
+        wait behind its bulk transfer, and dropping the connection cut the all-reduce (netlab,
+        2 Mbit, 20m: a failed round in 3 of 10). A stalled one fails the round (or the download)
+        at its timeout; the redial follows."""
         return [
             p for p in peers
             if p in self.known and self.known[p].failures >= REDIAL_AFTER and p not in busy
