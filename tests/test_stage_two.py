@@ -230,7 +230,7 @@ def test_the_combine_groups_connections_are_never_redialled_while_its_all_reduce
     assert activity.exchanging == frozenset()
 
 
-def test_a_state_download_spares_its_donors_until_it_ends_even_when_it_fails() -> None:
+def test_the_exchange_context_names_a_downloads_donors_until_it_ends_even_when_it_fails() -> None:
     activity = Activity()
     with pytest.raises(RuntimeError), activity.exchange(["d1", "d2"]):
         assert activity.exchanging == {"d1", "d2"}
